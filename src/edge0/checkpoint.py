@@ -1,0 +1,147 @@
+"""Reading Hugging Face model directories: config.json and (sharded) safetensors, lazily.
+
+Tensors are read one at a time through safetensors' memory map, so nothing here holds more
+than the tensor a caller asked for. Every error names the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from edge0 import models
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing ({what})")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def check_dir(path: Path | str, what: str = "model directory") -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{what} {path} is not a directory")
+    return path
+
+
+def load_config(path: Path):
+    """(family module, config) from a directory's config.json."""
+    raw = read_json(path / "config.json", "model configuration")
+    fam = models.family(raw.get("model_type"), str(path / "config.json"))
+    try:
+        return fam, fam.Config.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from e
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Checkpoint:
+    """The safetensors files of a Hugging Face directory, one tensor at a time."""
+
+    def __init__(self, path: Path | str):
+        self.path = check_dir(path)
+        index = self.path / INDEX_NAME
+        if index.exists():
+            weight_map = read_json(index, "shard index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no weight_map")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(f"{self.path}: no *.safetensors weights found")
+        self.files = [self.path / f for f in files]
+        self._handles = {}
+        self._where: dict[str, Path] = {}
+        for f in self.files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: listed in {INDEX_NAME} but missing")
+            try:
+                handle = safe_open(str(f), framework="pt")
+            except SafetensorError as e:
+                raise ValueError(f"{f}: unreadable safetensors file ({e}); is it truncated?") from e
+            self._handles[f] = handle
+            for key in handle.keys():
+                self._where[key] = f
+        if weight_map is not None:
+            missing = [k for k, f in weight_map.items() if self._where.get(k) != self.path / f]
+            if missing:
+                raise ValueError(f"{index}: tensor {missing[0]!r} is not in {weight_map[missing[0]]}")
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._where:
+            raise KeyError(f"{self.path}: tensor {key!r} not found")
+        return self._handles[self._where[key]].get_tensor(key)
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._handles[self._where[key]].get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> str:
+        return self._handles[self._where[key]].get_slice(key).get_dtype()
+
+    def hashes(self) -> dict[str, str]:
+        return {f.name: sha256_file(f) for f in self.files}
+
+
+class ExpertSource:
+    """A layer's routed experts in a checkpoint, per-expert keys or transformers-5 fused keys."""
+
+    def __init__(self, ckpt: Checkpoint, prefix: str, proj: tuple[str, str, str], num_experts: int):
+        self.ckpt, self.prefix, self.proj, self.num_experts = ckpt, prefix, proj, num_experts
+        self.fused = f"{prefix}.gate_up_proj" in ckpt
+        if not self.fused:
+            for e in range(num_experts):
+                for p in proj:
+                    key = f"{prefix}.{e}.{p}.weight"
+                    if key not in ckpt:
+                        raise ValueError(f"{ckpt.path}: expert tensor {key!r} is missing")
+        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def keys(self) -> list[str]:
+        if self.fused:
+            return [f"{self.prefix}.gate_up_proj", f"{self.prefix}.down_proj"]
+        return [f"{self.prefix}.{e}.{p}.weight" for e in range(self.num_experts) for p in self.proj]
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I, D], up [I, D], down [D, I]) of expert e."""
+        if not self.fused:
+            gate, up, down = (self.ckpt.get(f"{self.prefix}.{e}.{p}.weight") for p in self.proj)
+            return gate, up, down
+        if self._cache is None:  # one layer of fused weights at a time
+            self._cache = (self.ckpt.get(f"{self.prefix}.gate_up_proj"),
+                           self.ckpt.get(f"{self.prefix}.down_proj"))
+        gate_up, down = self._cache[0][e], self._cache[1][e]
+        gate, up = gate_up.chunk(2, dim=0)
+        return gate, up, down
+
+    def release(self) -> None:
+        self._cache = None

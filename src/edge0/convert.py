@@ -1,0 +1,162 @@
+"""`edge0 convert HF_DIR OUT_DIR`: a Hugging Face MoE checkpoint -> an edge0 model directory.
+
+Routed experts are quantized to int4 affine group-64 and written as one aligned extent per
+expert (experts.safetensors); everything else is kept in bf16 (model.safetensors). Tensors
+are read and written one at a time (fused expert tensors one layer at a time), so peak memory
+stays near one layer of the source however large the checkpoint is. The output is built in
+OUT_DIR.partial and renamed when complete: an interrupted convert leaves no half model.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from edge0 import modeldir
+from edge0.checkpoint import Checkpoint, ExpertSource, check_dir, load_config, sha256_file
+from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
+from edge0.store.expert_file import tensor_name
+from edge0.store.extents import ExtentLayout
+from edge0.store.writer import StreamingSafetensors
+from edge0.streaming.experts import StreamingExperts
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "generation_config.json",
+)
+
+
+@dataclass
+class ConvertReport:
+    out_dir: Path
+    resident_bytes: int
+    expert_bytes: int
+    num_extents: int
+    extent_bytes: int
+    seconds: float
+    peak_rss_bytes: int
+
+
+def expected_resident(fam, cfg) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the non-expert tensors the family's model declares."""
+    with torch.device("meta"):
+        model = fam.Model(cfg, experts=StreamingExperts)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def convert(hf_dir: Path | str, out_dir: Path | str, *, force: bool = False,
+            progress: bool = True) -> ConvertReport:
+    t0 = time.perf_counter()
+    src = check_dir(hf_dir, "Hugging Face model directory")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+    fam, cfg = load_config(src)
+    ckpt = Checkpoint(src)
+
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    if not moe_layers:
+        raise ValueError(f"{src / 'config.json'}: the model has no MoE layers to stream")
+    sources = {
+        i: ExpertSource(ckpt, fam.EXPERT_PREFIX.format(layer=i), fam.EXPERT_PROJ, cfg.num_experts)
+        for i in moe_layers
+    }
+    layout = ExtentLayout(cfg.hidden_size, cfg.moe_intermediate_size)
+    expert_keys = {k for s in sources.values() for k in s.keys()}
+    resident = _check_resident(ckpt, expected_resident(fam, cfg), expert_keys)
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        resident_bytes = _write_resident(ckpt, resident, tmp / modeldir.RESIDENT_FILE, progress)
+        table = _write_experts(cfg, sources, layout, tmp / EXPERTS_FILE, progress)
+        for name in ("config.json",) + TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        manifest = modeldir.Manifest.new(
+            family=cfg.model_type, layout=layout, num_experts=cfg.num_experts,
+            native_top_k=cfg.num_experts_per_tok, layers=table,
+            source={"path": str(src.resolve()), "files": ckpt.hashes()},
+        )
+        manifest.files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest.save(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConvertReport(
+        out_dir=out, resident_bytes=resident_bytes,
+        expert_bytes=len(moe_layers) * cfg.num_experts * layout.nbytes,
+        num_extents=len(moe_layers) * cfg.num_experts, extent_bytes=layout.nbytes,
+        seconds=time.perf_counter() - t0,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+
+
+def _check_resident(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], expert_keys: set[str]) -> list[str]:
+    """Resident tensor names in declaration order; errors name any missing/extra/misshapen tensor."""
+    present = [k for k in ckpt.keys() if k not in expert_keys]
+    extra = [k for k in present if k not in expected]
+    if extra:
+        raise ValueError(f"{ckpt.path}: unexpected tensor {extra[0]!r} (and {len(extra) - 1} more)"
+                         if len(extra) > 1 else f"{ckpt.path}: unexpected tensor {extra[0]!r}")
+    missing = [k for k in expected if k not in ckpt]
+    if missing:
+        raise ValueError(f"{ckpt.path}: missing tensor {missing[0]!r}")
+    for k in expected:
+        if tuple(ckpt.shape(k)) != expected[k]:
+            raise ValueError(f"{ckpt.path}: tensor {k!r} has shape {tuple(ckpt.shape(k))}, "
+                             f"config.json implies {expected[k]}")
+    return list(expected)
+
+
+def _write_resident(ckpt: Checkpoint, keys: list[str], path: Path, progress: bool) -> int:
+    specs = [(k, torch.bfloat16, tuple(ckpt.shape(k))) for k in keys]
+    writer = StreamingSafetensors(path, specs, metadata={"format": "pt", "edge0": "resident"})
+    total = 0
+    for k in tqdm(keys, desc="resident weights", unit="tensor", disable=not progress):
+        t = ckpt.get(k).to(torch.bfloat16)
+        writer.write(k, t)
+        total += t.numel() * 2
+    writer.close()
+    return total
+
+
+def _write_experts(cfg, sources: dict[int, ExpertSource], layout: ExtentLayout, path: Path,
+                   progress: bool) -> dict[int, dict[str, int]]:
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    specs = [(tensor_name(layer), torch.uint8, (cfg.num_experts, layout.nbytes)) for layer in sources]
+    meta = {"format": "edge0-extents", "extent_bytes": str(layout.nbytes),
+            "hidden": str(d), "inter": str(i)}
+    writer = StreamingSafetensors(path, specs, metadata=meta, align=4096)
+    table, offset = {}, writer.data_start
+    bar = tqdm(total=len(sources) * cfg.num_experts, desc="experts -> int4", unit="expert",
+               disable=not progress)
+    for layer, source in sources.items():
+        table[layer] = {"offset": offset, "count": cfg.num_experts}
+        for e in range(cfg.num_experts):
+            gate, up, down = source.expert(e)
+            for name, t, shape in (("gate", gate, (i, d)), ("up", up, (i, d)), ("down", down, (d, i))):
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"{source.ckpt.path}: layer {layer} expert {e} {name} has shape "
+                                     f"{tuple(t.shape)}, config.json implies {shape}")
+            writer.write(tensor_name(layer), layout.pack(gate, up, down)[None])
+            bar.update(1)
+        source.release()
+        offset += cfg.num_experts * layout.nbytes
+    bar.close()
+    writer.close()
+    return table

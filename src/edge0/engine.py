@@ -1,0 +1,217 @@
+"""The engine: one model, one expert pool, one request's state at a time.
+
+It owns everything a request touches (KV cache, prerouter features, staged slots) and resets
+it between requests, so no output depends on an earlier request. The expert pool is shared
+across requests: that is the cache. Executors are installed explicitly per phase:
+whole-layer for prefill, exact for decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from edge0 import memory
+from edge0.loader import load_edge0_model
+from edge0.models.base import Forward
+from edge0.models.layers import KVCache
+from edge0.sampling import Sampler, SamplingParams
+from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
+from edge0.store.expert_file import ExpertFile
+from edge0.store.pool import ExpertPool, PoolStats
+from edge0.streaming.executors import ExactExecutor, PrefillPlan, WholeLayerExecutor
+from edge0.tokenizer import eos_ids, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IO_MODE = "direct"
+
+
+@dataclass
+class EngineOptions:
+    top_k: int | None = None  # serve this many experts per token (default: native)
+    memory_budget: int | None = None  # bytes for resident floor + expert pool
+    expert_cache: int | None = None  # bytes for the expert pool (overrides the budget split)
+    io_mode: str = DEFAULT_IO_MODE
+    io_threads: int = 4
+    dtype: torch.dtype = torch.float32
+    max_context: int = 4096  # sizes the KV part of the resident floor
+    read_delay_s: float = 0.0  # extra latency per read (tests of overlap)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    peak_anon_bytes: int = 0
+    peak_file_bytes: int = 0
+    bytes_read: int = 0
+    reads: int = 0
+    cache_hits: int = 0
+    blocked_ms_per_token: float = 0.0
+    expert_pool_bytes: int = 0
+    resident_floor_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        return (f"prompt {self.prompt_tokens} tok, {self.prefill_tok_s:.1f} tok/s | "
+                f"generated {self.generated_tokens} tok, {self.decode_tok_s:.2f} tok/s | "
+                f"peak anon {memory.format_bytes(self.peak_anon_bytes)}, "
+                f"file {memory.format_bytes(self.peak_file_bytes)} | "
+                f"read {memory.format_bytes(self.bytes_read)} in {self.reads} reads, "
+                f"{self.cache_hits} cache hits | blocked {self.blocked_ms_per_token:.2f} ms/tok")
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class Engine:
+    """Loads an edge0 directory and generates from it; see the module docstring."""
+
+    def __init__(self, model_dir: Path | str, options: EngineOptions | None = None):
+        self.options = opts = options or EngineOptions()
+        self.path = Path(model_dir)
+        self.manifest, self.model = load_edge0_model(self.path, opts.dtype, experts="streaming")
+        self.config = cfg = self.model.config
+        if opts.top_k is not None:
+            self.model.set_top_k(opts.top_k)
+        self.top_k = opts.top_k or cfg.num_experts_per_tok
+        self.tokenizer = load_tokenizer(self.path)
+        self.eos = eos_ids(self.path, self.tokenizer)
+        self.moe_layers = self.model.moe_layers
+
+        layout = self.manifest.layout()
+        kv_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+                    * opts.max_context * opts.dtype.itemsize)
+        self.floor_bytes = param_bytes(self.model) + kv_bytes
+        pool_bytes = self._pool_bytes(layout.nbytes)
+        self.pool = ExpertPool(ExpertFile(self.path / EXPERTS_FILE, opts.io_mode), layout, pool_bytes,
+                               io_threads=opts.io_threads, read_delay_s=opts.read_delay_s)
+        self._experts = {i: self.model.moe_block(i).experts for i in self.moe_layers}
+        self._exact = {i: ExactExecutor(self.pool, i) for i in self.moe_layers}
+        self.cache = KVCache(cfg.num_hidden_layers)
+
+    def _pool_bytes(self, extent: int) -> int:
+        opts, cfg = self.options, self.config
+        total = len(self.moe_layers) * cfg.num_experts * extent
+        minimum = self.top_k * extent  # one layer's routed experts at a time
+        if opts.expert_cache is not None:
+            pool = opts.expert_cache
+        elif opts.memory_budget is not None:
+            pool = opts.memory_budget - self.floor_bytes
+            if pool < minimum:
+                raise ValueError(
+                    f"--memory-budget {memory.format_bytes(opts.memory_budget)} is below the resident "
+                    f"floor {memory.format_bytes(self.floor_bytes)} plus the minimum expert pool "
+                    f"{memory.format_bytes(minimum)} ({self.top_k} experts of {extent} bytes)"
+                )
+        else:  # everything if it fits in a quarter of what the machine has free
+            pool = min(total, max(minimum, memory.mem_available() // 4))
+        if pool < minimum:
+            raise ValueError(f"--expert-cache {memory.format_bytes(pool)} holds fewer than "
+                             f"{self.top_k} experts of {extent} bytes")
+        return min(pool, total)
+
+    # -- per-request state ------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the current request: fresh KV cache. The expert cache is kept."""
+        self.cache = KVCache(self.config.num_hidden_layers)
+
+    @property
+    def position(self) -> int:
+        return self.cache.length[0]
+
+    def _use(self, executors: dict[int, object]) -> None:
+        for i, ex in executors.items():
+            self._experts[i].executor = ex
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Run prompt tokens (appended to the current state); returns the last logits [V]."""
+        if not ids:
+            raise ValueError("the prompt is empty")
+        plan = PrefillPlan(self.pool, self.moe_layers, self.config.num_experts, len(ids) * self.top_k)
+        self._use({i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers})
+        try:
+            x = torch.tensor([ids], dtype=torch.long)
+            logits = self.model(x, Forward(self.cache), last_only=True)
+        finally:
+            plan.release_all()
+        return logits[0, -1].float()
+
+    @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        """One decode step; returns the next logits [V]."""
+        self._use(self._exact)
+        x = torch.tensor([[token]], dtype=torch.long)
+        return self.model(x, Forward(self.cache), last_only=True)[0, -1].float()
+
+    def generate(self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None,
+                 on_token: Callable[[int], bool | None] | None = None) -> Generation:
+        """Reset, prefill, then sample up to max_tokens. on_token returning True stops early."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        sampler = Sampler(sampling or SamplingParams())
+        self.reset()
+        out = Generation()
+        before = self.pool.stats.snapshot()
+        steps, decode_s = 0, 0.0
+        with memory.PeakSampler() as peaks:
+            t0 = time.perf_counter()
+            logits = self.prefill(prompt)
+            prefill_s = time.perf_counter() - t0
+            mid = self.pool.stats.snapshot()
+            for i in range(max_tokens):
+                token = sampler(logits)
+                if token in self.eos:
+                    out.finish_reason = "stop"
+                    break
+                out.tokens.append(token)
+                if on_token is not None and on_token(token):
+                    out.finish_reason = "stop"
+                    break
+                if i + 1 < max_tokens:
+                    t = time.perf_counter()
+                    logits = self.step(token)
+                    decode_s += time.perf_counter() - t
+                    steps += 1
+        self._fill_stats(out.stats, len(prompt), len(out.tokens), steps, prefill_s, decode_s,
+                         self.pool.stats.minus(before), self.pool.stats.minus(mid), peaks)
+        return out
+
+    def _fill_stats(self, s: GenerationStats, n_prompt: int, n_gen: int, steps: int,
+                    prefill_s: float, decode_s: float, total: PoolStats, decode: PoolStats,
+                    peaks) -> None:
+        """Decode rates count decode steps (forward passes), not the token prefill produced."""
+        s.prompt_tokens, s.generated_tokens = n_prompt, n_gen
+        s.prefill_s, s.decode_s = prefill_s, decode_s
+        s.prefill_tok_s = n_prompt / prefill_s if prefill_s > 0 else 0.0
+        s.decode_tok_s = steps / decode_s if decode_s > 0 else 0.0
+        s.peak_anon_bytes, s.peak_file_bytes = peaks.peak_anon, peaks.peak_file
+        s.bytes_read, s.reads, s.cache_hits = total.bytes_read, total.reads, total.hits
+        s.blocked_ms_per_token = decode.blocked_ns / 1e6 / steps if steps else 0.0
+        s.expert_pool_bytes = self.pool.capacity_bytes
+        s.resident_floor_bytes = self.floor_bytes
+
+    def close(self) -> None:
+        self.pool.close()

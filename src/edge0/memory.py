@@ -1,0 +1,99 @@
+"""Process memory as the kernel sees it, split into anonymous and file-backed resident bytes.
+
+Anonymous memory (heap, torch tensors, the expert pool) cannot be reclaimed under pressure;
+file-backed pages (mapped libraries, mmap-read extents) can be. Peak values come from a
+sampler thread, because the kernel only keeps a peak of the total (VmHWM).
+Note: pages that buffered reads leave in the page cache are not mapped into the process, so
+they appear in neither number; a memory cgroup charges them and can reclaim them.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2GiB', '1.5g', '4096' -> bytes (binary units). Raises ValueError naming the text."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 512M, 2G or 1.5GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    anon_bytes: int
+    file_bytes: int
+
+
+def sample() -> MemorySample:
+    """Current resident anonymous and file-backed bytes of this process."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    anon = fields.get("Anonymous", 0)
+    return MemorySample(anon_bytes=anon, file_bytes=fields.get("Rss", 0) - anon)
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo, in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable line")
+
+
+class PeakSampler:
+    """Samples smaps_rollup on a daemon thread and keeps the peaks; use as a context manager."""
+
+    def __init__(self, interval_s: float = 0.02):
+        self.interval_s = interval_s
+        self.peak_anon = 0
+        self.peak_file = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _take(self) -> None:
+        s = sample()
+        self.peak_anon = max(self.peak_anon, s.anon_bytes)
+        self.peak_file = max(self.peak_file, s.file_bytes)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._take()
+
+    def start(self) -> PeakSampler:
+        self._take()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="edge0-mem", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._take()
+
+    def __enter__(self) -> PeakSampler:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,22 @@
+"""Model families, one module per Hugging Face `model_type`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from edge0.models import qwen2_moe, qwen3_moe
+
+FAMILIES: dict[str, ModuleType] = {
+    "qwen3_moe": qwen3_moe,
+    "qwen2_moe": qwen2_moe,
+}
+
+
+def family(model_type: str | None, source: str = "config.json") -> ModuleType:
+    """The family module for a model_type; ValueError naming it and the supported ones."""
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not supported; "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type]

@@ -1,0 +1,66 @@
+"""What every model family shares: the per-call Forward state and config helpers.
+
+A family file defines a config dataclass (`from_dict`), a `Model` with module names equal
+to the checkpoint's tensor names, `expert_keys` (where its routed experts live in a Hugging
+Face checkpoint) and `sanitize` (renaming / stacking into the module names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from edge0.models.layers import KVCache
+
+# Observer signature: (layer, MoE input h [T, D], executed top-k indices [T, K]).
+RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class Forward:
+    """Per-call state: the request's KV cache, and the engine's routing hooks.
+
+    `predicted[layer]` holds logits [T, E] that replace that layer's router for this call
+    (prediction-as-routing); `observer` sees each MoE layer's input and executed experts.
+    With neither set, every layer routes by its own router: the exact path.
+    """
+
+    def __init__(self, cache: KVCache | None = None, predicted: dict[int, torch.Tensor] | None = None,
+                 observer: RoutingObserver | None = None):
+        self.cache = cache
+        self.predicted = predicted or {}
+        self.observer = observer
+
+    def router_logits(self, layer: int, h: torch.Tensor, router: torch.nn.Module) -> torch.Tensor:
+        pred = self.predicted.get(layer)
+        return router(h) if pred is None else pred
+
+    def routed(self, layer: int, h: torch.Tensor, indices: torch.Tensor) -> None:
+        if self.observer is not None:
+            self.observer(layer, h, indices)
+
+    def position(self, layer: int) -> int:
+        return 0 if self.cache is None else self.cache.length[layer]
+
+
+def config_from_dict(cls, raw: dict[str, Any], aliases: dict[str, str] | None = None):
+    """Build a config dataclass from config.json: unknown keys ignored, aliases renamed."""
+    data = dict(raw)
+    for src, dst in (aliases or {}).items():
+        if src in data and dst not in data:
+            data[dst] = data[src]
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if "rope_theta" not in data and "rope_theta" in rope:
+        data["rope_theta"] = rope["rope_theta"]
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported (only default RoPE)")
+    names = {f.name for f in dataclasses.fields(cls)}
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and f.name not in data]
+    if missing:
+        raise ValueError(f"config.json: missing required field(s) {', '.join(missing)}")
+    return cls(**{k: v for k, v in data.items() if k in names})

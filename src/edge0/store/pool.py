@@ -1,0 +1,252 @@
+"""The bounded expert pool: fixed slots in one anonymous mapping, LRU over (layer, expert).
+
+The pool's memory is allocated once, at construction, for `capacity_bytes // extent_bytes`
+slots, and never grows: the budget is an input, not an outcome. Every layer shares it.
+Reads run on a pool of I/O threads (`os.preadv` releases the GIL) straight into the slot
+buffers; the caller only waits for a read it needs now, and that wait is measured.
+
+An entry is pinned while someone holds it (a layer computing with it, or a prefetch that
+staged it for the next token); only unpinned, finished entries are evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from edge0.store.expert_file import ExpertFile
+from edge0.store.extents import ExpertTensors, ExtentLayout
+
+log = logging.getLogger(__name__)
+
+IOV_MAX = 1024  # Linux limit on buffers per preadv
+
+
+class PoolExhausted(RuntimeError):
+    """More experts were pinned at once than the pool has slots."""
+
+
+@dataclass
+class PoolStats:
+    """Counters since the last reset. Times are nanoseconds."""
+
+    hits: int = 0  # requested experts already resident or in flight
+    loads: int = 0  # experts read from disk
+    reads: int = 0  # read syscalls (a run of consecutive experts is one)
+    bytes_read: int = 0
+    disk_ns: int = 0  # summed time inside read calls on the I/O threads
+    blocked_ns: int = 0  # time the compute thread waited for reads it needed
+    evictions: int = 0
+
+    def snapshot(self) -> PoolStats:
+        return PoolStats(**vars(self))
+
+    def minus(self, other: PoolStats) -> PoolStats:
+        return PoolStats(**{k: v - getattr(other, k) for k, v in vars(self).items()})
+
+
+@dataclass
+class Entry:
+    """One resident (or arriving) expert: a slot, its tensor views, and its read."""
+
+    key: tuple[int, int]
+    slot: int
+    tensors: ExpertTensors
+    future: Future
+    pins: int = 0
+    failed: bool = field(default=False)
+
+
+class ExpertPool:
+    """Slots for expert extents, shared by all layers; see the module docstring."""
+
+    def __init__(
+        self,
+        file: ExpertFile,
+        layout: ExtentLayout,
+        capacity_bytes: int,
+        io_threads: int = 4,
+        read_delay_s: float = 0.0,
+    ):
+        if layout.nbytes != file.extent_bytes:
+            raise ValueError(
+                f"{file.path}: extents are {file.extent_bytes} bytes, layout expects {layout.nbytes}"
+            )
+        self.file = file
+        self.layout = layout
+        self.extent_bytes = layout.nbytes
+        self.num_slots = capacity_bytes // self.extent_bytes
+        if self.num_slots < 1:
+            raise ValueError(
+                f"expert pool of {capacity_bytes} bytes holds no {self.extent_bytes}-byte extent"
+            )
+        self.capacity_bytes = self.num_slots * self.extent_bytes
+        # Anonymous and page-aligned: slots are valid O_DIRECT targets, untouched pages cost nothing.
+        self._mem = mmap.mmap(-1, self.capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._slots = torch.frombuffer(self._mem, dtype=torch.uint8).view(self.num_slots, -1)
+        self._views = [memoryview(self._mem)[i * self.extent_bytes : (i + 1) * self.extent_bytes]
+                       for i in range(self.num_slots)]
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._entries: OrderedDict[tuple[int, int], Entry] = OrderedDict()  # LRU first
+        self._lock = threading.Lock()
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="edge0-io")
+        self.read_delay_s = read_delay_s  # a fixed extra latency per read, for tests
+        self.stats = PoolStats()
+
+    # -- occupancy ------------------------------------------------------------------------
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of slots in use (resident or arriving)."""
+        with self._lock:
+            return (self.num_slots - len(self._free)) * self.extent_bytes
+
+    def available(self) -> int:
+        """Slots that a request could take right now (free, or evictable)."""
+        with self._lock:
+            evictable = sum(1 for e in self._entries.values() if e.pins == 0 and e.future.done())
+            return len(self._free) + evictable
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        with self._lock:
+            entry = self._entries.get((layer, expert))
+            return entry is not None and entry.future.done() and not entry.failed
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def request(self, layer: int, experts: Sequence[int]) -> list[Entry]:
+        """Pin each expert of `layer`, starting reads for the missing ones; does not wait.
+
+        Consecutive missing experts are read with one preadv. Raises PoolExhausted if the
+        pool cannot hold them all at once (nothing is pinned then).
+        """
+        out: list[Entry] = []
+        missing: list[Entry] = []
+        with self._lock:
+            needed = sum(1 for e in experts if (layer, e) not in self._entries)
+            if needed > len(self._free) + sum(
+                1 for en in self._entries.values() if en.pins == 0 and en.future.done()
+            ):
+                raise PoolExhausted(
+                    f"layer {layer} needs {needed} more expert slots; the pool has "
+                    f"{self.num_slots} ({self.capacity_bytes} bytes) and the rest are pinned. "
+                    "Raise --memory-budget / --expert-cache."
+                )
+            for e in experts:
+                key = (layer, int(e))
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self._entries.move_to_end(key)
+                    self.stats.hits += 1
+                else:
+                    slot = self._take_slot()
+                    entry = Entry(key=key, slot=slot, tensors=self.layout.views(self._slots[slot]),
+                                  future=Future())
+                    self._entries[key] = entry
+                    missing.append(entry)
+                entry.pins += 1
+                out.append(entry)
+        missing.sort(key=lambda en: en.key[1])
+        for run in _runs(missing):
+            self._io.submit(self._load_run, layer, run)
+        return out
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        for key, entry in self._entries.items():  # oldest first
+            if entry.pins == 0 and entry.future.done():
+                del self._entries[key]
+                self.stats.evictions += 1
+                return entry.slot
+        raise AssertionError("request() checked capacity before taking slots")
+
+    def _load_run(self, layer: int, run: list[Entry]) -> None:
+        try:
+            if self.read_delay_s:
+                time.sleep(self.read_delay_s)
+            t0 = time.perf_counter_ns()
+            got = self.file.read_run(layer, run[0].key[1], [self._views[en.slot] for en in run])
+            dt = time.perf_counter_ns() - t0
+            for en in run:
+                self.layout.finalize(self._slots[en.slot])
+            with self._lock:
+                self.stats.reads += 1
+                self.stats.loads += len(run)
+                self.stats.bytes_read += got
+                self.stats.disk_ns += dt
+            for en in run:
+                en.future.set_result(None)
+        except BaseException as exc:  # handed to whoever waits on these entries
+            log.error("reading layer %d experts %s failed: %s", layer, [e.key[1] for e in run], exc)
+            with self._lock:
+                for en in run:
+                    en.failed = True
+            for en in run:
+                en.future.set_exception(exc)
+
+    def wait(self, entries: Sequence[Entry]) -> list[ExpertTensors]:
+        """Block until every entry is loaded; the time spent blocked is counted."""
+        pending = [en for en in entries if not en.future.done()]
+        if pending:
+            t0 = time.perf_counter_ns()
+            for en in pending:
+                en.future.exception()  # waits without raising
+            with self._lock:
+                self.stats.blocked_ns += time.perf_counter_ns() - t0
+        for en in entries:
+            if en.failed:
+                self._forget_failed(en)
+                en.future.result()  # raises the read error
+        return [en.tensors for en in entries]
+
+    def _forget_failed(self, entry: Entry) -> None:
+        with self._lock:
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+                entry.pins = 0
+                self._free.append(entry.slot)
+
+    def release(self, entries: Sequence[Entry]) -> None:
+        """Unpin entries; they stay cached until evicted."""
+        with self._lock:
+            for en in entries:
+                if en.pins > 0:
+                    en.pins -= 1
+
+    def clear(self) -> None:
+        """Drop every unpinned entry (waits for reads in flight first)."""
+        with self._lock:
+            entries = list(self._entries.values())
+        for en in entries:
+            en.future.exception()
+        with self._lock:
+            for key, en in list(self._entries.items()):
+                if en.pins == 0:
+                    del self._entries[key]
+                    self._free.append(en.slot)
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        self._views = []
+        self._slots = None
+        self.file.close()
+
+
+def _runs(entries: list[Entry]) -> list[list[Entry]]:
+    """Split entries sorted by expert id into runs of consecutive ids (at most IOV_MAX long)."""
+    runs: list[list[Entry]] = []
+    for en in entries:
+        if runs and en.key[1] == runs[-1][-1].key[1] + 1 and len(runs[-1]) < IOV_MAX:
+            runs[-1].append(en)
+        else:
+            runs.append([en])
+    return runs

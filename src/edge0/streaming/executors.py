@@ -1,0 +1,132 @@
+"""Executor strategies: how a layer gets its experts' bytes from the pool and computes them.
+
+  ExactExecutor       decode: read what the router chose (misses only), then compute
+  WholeLayerExecutor  prefill: read the layer's experts in runs, compute every prompt token,
+                      and read the next layer while this one computes
+
+All paths compute down(silu(gate x) * up x) from the same int4 bytes (the math contract).
+Shape legend: T tokens, K active, D hidden, I expert width.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+
+import torch
+import torch.nn.functional as F
+
+from edge0 import quant
+from edge0.store.extents import ExpertTensors, ExtentLayout
+from edge0.store.pool import Entry, ExpertPool
+from edge0.streaming.experts import for_each_expert, swiglu_dense
+
+# Below this many tokens per expert the int4 kernel beats dequantize + fp32 matmul on the
+# CPUs we measured (docs/kernels.md); above it the dense matmul amortises the dequantization.
+DENSE_MIN_TOKENS = 48
+
+
+def swiglu_int4(x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
+    """One expert on its tokens with the int4 kernel: x [n, D] -> fp32 [n, D]."""
+    gate, up = quant.int4_linear(x, t.w13, t.p13).float().chunk(2, dim=-1)
+    return quant.int4_linear(F.silu(gate) * up, t.w2, t.p2).float()
+
+
+def swiglu_extent(layout: ExtentLayout, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
+    """The kernel chosen by token count: int4 for few tokens, dequantized fp32 for many."""
+    if x.shape[0] < DENSE_MIN_TOKENS:
+        return swiglu_int4(x, t)
+    w13, w2 = layout.dequantize(t)
+    return swiglu_dense(x.float(), w13, w2)
+
+
+class ExactExecutor:
+    """Decode path: pin the routed experts (reading the missing ones), compute, unpin."""
+
+    def __init__(self, pool: ExpertPool, layer: int):
+        self.pool, self.layer = pool, layer
+
+    def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        experts = torch.unique(indices).tolist()
+        entries = self.pool.request(self.layer, experts)
+        try:
+            tensors = dict(zip(experts, self.pool.wait(entries)))
+            return for_each_expert(x, indices, lambda e, xs: swiglu_int4(xs, tensors[e]))
+        finally:
+            self.pool.release(entries)
+
+
+class PrefillPlan:
+    """Hands whole-layer reads from one layer to the next during one prefill."""
+
+    def __init__(self, pool: ExpertPool, moe_layers: list[int], num_experts: int, routed_slots: int):
+        self.pool = pool
+        self.next_layer = {a: b for a, b in zip(moe_layers, moe_layers[1:])}
+        self.num_experts = num_experts
+        # Read a whole layer ahead only when the prompt is long enough to touch most of it.
+        self.prefetch = routed_slots >= num_experts
+        self._staged: dict[int, list[Entry]] = {}
+
+    def take(self, layer: int) -> list[Entry]:
+        return self._staged.pop(layer, [])
+
+    def read_ahead(self, layer: int, reserve: int) -> None:
+        """Start reading the layer after `layer` if that leaves `reserve` slots for this one."""
+        nxt = self.next_layer.get(layer)
+        if not self.prefetch or nxt is None or nxt in self._staged:
+            return
+        if self.pool.available() >= self.num_experts + reserve:
+            self._staged[nxt] = self.pool.request(nxt, list(range(self.num_experts)))
+
+    def release_all(self) -> None:
+        for entries in self._staged.values():
+            self.pool.wait(entries)
+            self.pool.release(entries)
+        self._staged.clear()
+
+
+class WholeLayerExecutor:
+    """Prefill path: all of the layer's needed experts, computed as their reads land."""
+
+    def __init__(self, pool: ExpertPool, layer: int, plan: PrefillPlan):
+        self.pool, self.layer, self.plan = pool, layer, plan
+
+    def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(*indices.shape, x.shape[-1])  # [T, K, D]
+        staged = self.plan.take(self.layer)
+        needed = torch.unique(indices).tolist()
+        try:
+            self._compute(x, indices, needed, staged, out)
+        finally:
+            self.pool.release(staged)
+        return out
+
+    def _compute(self, x, indices, needed, staged, out) -> None:
+        by_expert = {en.key[1]: en for en in staged}
+        todo = [e for e in needed if e not in by_expert]
+        held = [by_expert[e] for e in needed if e in by_expert]
+        self.plan.read_ahead(self.layer, reserve=len(todo))
+        while held or todo:
+            room = max(1, self.pool.available())
+            wave, todo = todo[:room], todo[room:]
+            entries = self.pool.request(self.layer, wave) if wave else []
+            batch = held + entries
+            held = []
+            try:
+                self._compute_batch(x, indices, batch, out)
+            finally:
+                self.pool.release(entries)
+
+    def _compute_batch(self, x, indices, entries: list[Entry], out) -> None:
+        pending = {en.future: en for en in entries}
+        while pending:
+            if not any(f.done() for f in pending):
+                self.pool.wait([next(iter(pending.values()))])  # counts the blocked time
+            done, _ = wait_futures(list(pending), timeout=0, return_when=FIRST_COMPLETED)
+            for fut in done:
+                en = pending.pop(fut)
+                (t,) = self.pool.wait([en])
+                e = en.key[1]
+                tok, slot = torch.nonzero(indices == e, as_tuple=True)
+                if tok.numel():
+                    out[tok, slot] = swiglu_extent(self.pool.layout, x[tok], t).to(out.dtype)

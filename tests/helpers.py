@@ -1,0 +1,65 @@
+"""Tiny random Hugging Face MoE checkpoints for tests (built with transformers, saved to disk)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
+    "        self.x = x\n        self.y = y\n\nimport os\nprint(os.path.join('a', 'b'))\n"
+    "The quick brown fox jumps over the lazy dog. Ünïcödé ✓ 日本語 テキスト\n"
+) * 4
+
+
+def tiny_tokenizer(path: Path, vocab_size: int = 320) -> None:
+    """A byte-level BPE tokenizer saved in Hugging Face format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(str(path))
+
+
+QWEN3 = dict(
+    vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+)
+
+
+def make_hf_model(path: Path, family: str = "qwen3_moe", seed: int = 0, dtype=torch.float32,
+                  scale: float = 1.0, **overrides) -> Path:
+    """Save a random transformers model of `family` (plus a tokenizer) into `path`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg_kwargs = dict(QWEN3)
+    if family == "qwen2_moe":
+        cfg_kwargs.pop("head_dim")
+        cfg_kwargs.update(shared_expert_intermediate_size=128)
+        cfg_cls, model_cls = transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM
+    else:
+        cfg_cls, model_cls = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+    cfg_kwargs.update(overrides)
+    cfg = cfg_cls(**cfg_kwargs)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # larger weights make routing and logits less degenerate
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(scale)
+    model.to(dtype).save_pretrained(str(path))
+    tiny_tokenizer(path)
+    return path
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
