@@ -22,22 +22,40 @@ def tiny_tokenizer(path: Path, vocab_size: int = 320) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([TEXT], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     fast.save_pretrained(str(path))
 
 
 QWEN3 = dict(
-    vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
 )
 
 
-def make_hf_model(path: Path, family: str = "qwen3_moe", seed: int = 0, dtype=torch.float32,
-                  scale: float = 1.0, **overrides) -> Path:
+def make_hf_model(
+    path: Path,
+    family: str = "qwen3_moe",
+    seed: int = 0,
+    dtype=torch.float32,
+    scale: float = 1.0,
+    **overrides,
+) -> Path:
     """Save a random transformers model of `family` (plus a tokenizer) into `path`."""
     import transformers
 

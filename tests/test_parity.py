@@ -35,9 +35,15 @@ def greedy_ours(model, prompt: torch.Tensor, steps: int) -> list[int]:
 
 
 def greedy_hf(hf, prompt: torch.Tensor, steps: int) -> list[int]:
-    out = hf.generate(prompt[None], max_new_tokens=steps, do_sample=False, min_new_tokens=steps,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, prompt.shape[0]:].tolist()
+    out = hf.generate(
+        prompt[None],
+        max_new_tokens=steps,
+        do_sample=False,
+        min_new_tokens=steps,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, prompt.shape[0] :].tolist()
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -89,7 +89,9 @@ class Checkpoint:
         if weight_map is not None:
             missing = [k for k, f in weight_map.items() if self._where.get(k) != self.path / f]
             if missing:
-                raise ValueError(f"{index}: tensor {missing[0]!r} is not in {weight_map[missing[0]]}")
+                raise ValueError(
+                    f"{index}: tensor {missing[0]!r} is not in {weight_map[missing[0]]}"
+                )
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -126,6 +128,32 @@ class ExpertSource:
                         raise ValueError(f"{ckpt.path}: expert tensor {key!r} is missing")
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def check_shapes(self, hidden: int, inter: int) -> None:
+        """From the headers alone: every expert tensor has the shape config.json implies."""
+        if self.fused:
+            want = {
+                f"{self.prefix}.gate_up_proj": (self.num_experts, 2 * inter, hidden),
+                f"{self.prefix}.down_proj": (self.num_experts, hidden, inter),
+            }
+        else:
+            shapes = {
+                self.proj[0]: (inter, hidden),
+                self.proj[1]: (inter, hidden),
+                self.proj[2]: (hidden, inter),
+            }
+            want = {
+                f"{self.prefix}.{e}.{p}.weight": shapes[p]
+                for e in range(self.num_experts)
+                for p in self.proj
+            }
+        for key, shape in want.items():
+            got = tuple(self.ckpt.shape(key))
+            if got != shape:
+                raise ValueError(
+                    f"{self.ckpt.path}: expert tensor {key!r} has shape {got}, "
+                    f"config.json implies {shape}"
+                )
+
     def keys(self) -> list[str]:
         if self.fused:
             return [f"{self.prefix}.gate_up_proj", f"{self.prefix}.down_proj"]
@@ -137,8 +165,10 @@ class ExpertSource:
             gate, up, down = (self.ckpt.get(f"{self.prefix}.{e}.{p}.weight") for p in self.proj)
             return gate, up, down
         if self._cache is None:  # one layer of fused weights at a time
-            self._cache = (self.ckpt.get(f"{self.prefix}.gate_up_proj"),
-                           self.ckpt.get(f"{self.prefix}.down_proj"))
+            self._cache = (
+                self.ckpt.get(f"{self.prefix}.gate_up_proj"),
+                self.ckpt.get(f"{self.prefix}.down_proj"),
+            )
         gate_up, down = self._cache[0][e], self._cache[1][e]
         gate, up = gate_up.chunk(2, dim=0)
         return gate, up, down

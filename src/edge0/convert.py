@@ -30,9 +30,16 @@ from edge0.streaming.experts import StreamingExperts
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 
 
@@ -54,8 +61,9 @@ def expected_resident(fam, cfg) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def convert(hf_dir: Path | str, out_dir: Path | str, *, force: bool = False,
-            progress: bool = True) -> ConvertReport:
+def convert(
+    hf_dir: Path | str, out_dir: Path | str, *, force: bool = False, progress: bool = True
+) -> ConvertReport:
     t0 = time.perf_counter()
     src = check_dir(hf_dir, "Hugging Face model directory")
     out = Path(out_dir)
@@ -71,6 +79,8 @@ def convert(hf_dir: Path | str, out_dir: Path | str, *, force: bool = False,
         i: ExpertSource(ckpt, fam.EXPERT_PREFIX.format(layer=i), fam.EXPERT_PROJ, cfg.num_experts)
         for i in moe_layers
     }
+    for source in sources.values():
+        source.check_shapes(cfg.hidden_size, cfg.moe_intermediate_size)
     layout = ExtentLayout(cfg.hidden_size, cfg.moe_intermediate_size)
     expert_keys = {k for s in sources.values() for k in s.keys()}
     resident = _check_resident(ckpt, expected_resident(fam, cfg), expert_keys)
@@ -85,8 +95,11 @@ def convert(hf_dir: Path | str, out_dir: Path | str, *, force: bool = False,
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
         manifest = modeldir.Manifest.new(
-            family=cfg.model_type, layout=layout, num_experts=cfg.num_experts,
-            native_top_k=cfg.num_experts_per_tok, layers=table,
+            family=cfg.model_type,
+            layout=layout,
+            num_experts=cfg.num_experts,
+            native_top_k=cfg.num_experts_per_tok,
+            layers=table,
             source={"path": str(src.resolve()), "files": ckpt.hashes()},
         )
         manifest.files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -98,28 +111,37 @@ def convert(hf_dir: Path | str, out_dir: Path | str, *, force: bool = False,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ConvertReport(
-        out_dir=out, resident_bytes=resident_bytes,
+        out_dir=out,
+        resident_bytes=resident_bytes,
         expert_bytes=len(moe_layers) * cfg.num_experts * layout.nbytes,
-        num_extents=len(moe_layers) * cfg.num_experts, extent_bytes=layout.nbytes,
+        num_extents=len(moe_layers) * cfg.num_experts,
+        extent_bytes=layout.nbytes,
         seconds=time.perf_counter() - t0,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
 
 
-def _check_resident(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], expert_keys: set[str]) -> list[str]:
-    """Resident tensor names in declaration order; errors name any missing/extra/misshapen tensor."""
+def _check_resident(
+    ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], expert_keys: set[str]
+) -> list[str]:
+    """Resident tensor names in declaration order; errors name a missing/extra/misshapen one."""
     present = [k for k in ckpt.keys() if k not in expert_keys]
     extra = [k for k in present if k not in expected]
     if extra:
-        raise ValueError(f"{ckpt.path}: unexpected tensor {extra[0]!r} (and {len(extra) - 1} more)"
-                         if len(extra) > 1 else f"{ckpt.path}: unexpected tensor {extra[0]!r}")
+        raise ValueError(
+            f"{ckpt.path}: unexpected tensor {extra[0]!r} (and {len(extra) - 1} more)"
+            if len(extra) > 1
+            else f"{ckpt.path}: unexpected tensor {extra[0]!r}"
+        )
     missing = [k for k in expected if k not in ckpt]
     if missing:
         raise ValueError(f"{ckpt.path}: missing tensor {missing[0]!r}")
     for k in expected:
         if tuple(ckpt.shape(k)) != expected[k]:
-            raise ValueError(f"{ckpt.path}: tensor {k!r} has shape {tuple(ckpt.shape(k))}, "
-                             f"config.json implies {expected[k]}")
+            raise ValueError(
+                f"{ckpt.path}: tensor {k!r} has shape {tuple(ckpt.shape(k))}, "
+                f"config.json implies {expected[k]}"
+            )
     return list(expected)
 
 
@@ -135,24 +157,31 @@ def _write_resident(ckpt: Checkpoint, keys: list[str], path: Path, progress: boo
     return total
 
 
-def _write_experts(cfg, sources: dict[int, ExpertSource], layout: ExtentLayout, path: Path,
-                   progress: bool) -> dict[int, dict[str, int]]:
+def _write_experts(
+    cfg, sources: dict[int, ExpertSource], layout: ExtentLayout, path: Path, progress: bool
+) -> dict[int, dict[str, int]]:
     d, i = cfg.hidden_size, cfg.moe_intermediate_size
-    specs = [(tensor_name(layer), torch.uint8, (cfg.num_experts, layout.nbytes)) for layer in sources]
-    meta = {"format": "edge0-extents", "extent_bytes": str(layout.nbytes),
-            "hidden": str(d), "inter": str(i)}
+    specs = [
+        (tensor_name(layer), torch.uint8, (cfg.num_experts, layout.nbytes)) for layer in sources
+    ]
+    meta = {
+        "format": "edge0-extents",
+        "extent_bytes": str(layout.nbytes),
+        "hidden": str(d),
+        "inter": str(i),
+    }
     writer = StreamingSafetensors(path, specs, metadata=meta, align=4096)
     table, offset = {}, writer.data_start
-    bar = tqdm(total=len(sources) * cfg.num_experts, desc="experts -> int4", unit="expert",
-               disable=not progress)
+    bar = tqdm(
+        total=len(sources) * cfg.num_experts,
+        desc="experts -> int4",
+        unit="expert",
+        disable=not progress,
+    )
     for layer, source in sources.items():
         table[layer] = {"offset": offset, "count": cfg.num_experts}
         for e in range(cfg.num_experts):
             gate, up, down = source.expert(e)
-            for name, t, shape in (("gate", gate, (i, d)), ("up", up, (i, d)), ("down", down, (d, i))):
-                if tuple(t.shape) != shape:
-                    raise ValueError(f"{source.ckpt.path}: layer {layer} expert {e} {name} has shape "
-                                     f"{tuple(t.shape)}, config.json implies {shape}")
             writer.write(tensor_name(layer), layout.pack(gate, up, down)[None])
             bar.update(1)
         source.release()

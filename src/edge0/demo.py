@@ -20,20 +20,34 @@ def build_random_model(path: Path) -> Path:
 
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        num_experts=32, num_experts_per_tok=4, norm_topk_prob=True,
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
     )
     transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(path))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     text = Path(__file__).read_text() * 8
-    tok.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=1024, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>") \
-        .save_pretrained(str(path))
+    tok.train_from_iterator(
+        [text],
+        trainers.BpeTrainer(
+            vocab_size=1024,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>"
+    ).save_pretrained(str(path))
     return path
 
 
@@ -41,12 +55,27 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="edge0-demo-") as tmp:
         hf = build_random_model(Path(tmp) / "hf")
         out = Path(tmp) / "edge0"
-        print("== a random-weight Qwen3-MoE (4 layers, 32 experts): its output is gibberish", flush=True)
+        print(
+            "== a random-weight Qwen3-MoE (4 layers, 32 experts): its output is gibberish",
+            flush=True,
+        )
         rc = cli.main(["convert", str(hf), str(out)])
         if rc:
             return rc
-        return cli.main(["generate", str(out), "--prompt", "def main():", "--max-tokens", "32",
-                         "--seed", "0", "--expert-cache", "2M"])
+        return cli.main(
+            [
+                "generate",
+                str(out),
+                "--prompt",
+                "def main():",
+                "--max-tokens",
+                "32",
+                "--seed",
+                "0",
+                "--expert-cache",
+                "2M",
+            ]
+        )
 
 
 if __name__ == "__main__":

@@ -65,12 +65,14 @@ class GenerationStats:
         return asdict(self)
 
     def line(self) -> str:
-        return (f"prompt {self.prompt_tokens} tok, {self.prefill_tok_s:.1f} tok/s | "
-                f"generated {self.generated_tokens} tok, {self.decode_tok_s:.2f} tok/s | "
-                f"peak anon {memory.format_bytes(self.peak_anon_bytes)}, "
-                f"file {memory.format_bytes(self.peak_file_bytes)} | "
-                f"read {memory.format_bytes(self.bytes_read)} in {self.reads} reads, "
-                f"{self.cache_hits} cache hits | blocked {self.blocked_ms_per_token:.2f} ms/tok")
+        return (
+            f"prompt {self.prompt_tokens} tok, {self.prefill_tok_s:.1f} tok/s | "
+            f"generated {self.generated_tokens} tok, {self.decode_tok_s:.2f} tok/s | "
+            f"peak anon {memory.format_bytes(self.peak_anon_bytes)}, "
+            f"file {memory.format_bytes(self.peak_file_bytes)} | "
+            f"read {memory.format_bytes(self.bytes_read)} in {self.reads} reads, "
+            f"{self.cache_hits} cache hits | blocked {self.blocked_ms_per_token:.2f} ms/tok"
+        )
 
 
 @dataclass
@@ -100,12 +102,23 @@ class Engine:
         self.moe_layers = self.model.moe_layers
 
         layout = self.manifest.layout()
-        kv_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-                    * opts.max_context * opts.dtype.itemsize)
+        kv_bytes = (
+            2
+            * cfg.num_hidden_layers
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * opts.max_context
+            * opts.dtype.itemsize
+        )
         self.floor_bytes = param_bytes(self.model) + kv_bytes
         pool_bytes = self._pool_bytes(layout.nbytes)
-        self.pool = ExpertPool(ExpertFile(self.path / EXPERTS_FILE, opts.io_mode), layout, pool_bytes,
-                               io_threads=opts.io_threads, read_delay_s=opts.read_delay_s)
+        self.pool = ExpertPool(
+            ExpertFile(self.path / EXPERTS_FILE, opts.io_mode),
+            layout,
+            pool_bytes,
+            io_threads=opts.io_threads,
+            read_delay_s=opts.read_delay_s,
+        )
         self._experts = {i: self.model.moe_block(i).experts for i in self.moe_layers}
         self._exact = {i: ExactExecutor(self.pool, i) for i in self.moe_layers}
         self.cache = KVCache(cfg.num_hidden_layers)
@@ -120,15 +133,18 @@ class Engine:
             pool = opts.memory_budget - self.floor_bytes
             if pool < minimum:
                 raise ValueError(
-                    f"--memory-budget {memory.format_bytes(opts.memory_budget)} is below the resident "
+                    f"--memory-budget {memory.format_bytes(opts.memory_budget)} is below the "
+                    f"resident "
                     f"floor {memory.format_bytes(self.floor_bytes)} plus the minimum expert pool "
                     f"{memory.format_bytes(minimum)} ({self.top_k} experts of {extent} bytes)"
                 )
         else:  # everything if it fits in a quarter of what the machine has free
             pool = min(total, max(minimum, memory.mem_available() // 4))
         if pool < minimum:
-            raise ValueError(f"--expert-cache {memory.format_bytes(pool)} holds fewer than "
-                             f"{self.top_k} experts of {extent} bytes")
+            raise ValueError(
+                f"--expert-cache {memory.format_bytes(pool)} holds fewer than "
+                f"{self.top_k} experts of {extent} bytes"
+            )
         return min(pool, total)
 
     # -- per-request state ------------------------------------------------------------------
@@ -150,7 +166,9 @@ class Engine:
         """Run prompt tokens (appended to the current state); returns the last logits [V]."""
         if not ids:
             raise ValueError("the prompt is empty")
-        plan = PrefillPlan(self.pool, self.moe_layers, self.config.num_experts, len(ids) * self.top_k)
+        plan = PrefillPlan(
+            self.pool, self.moe_layers, self.config.num_experts, len(ids) * self.top_k
+        )
         self._use({i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers})
         try:
             x = torch.tensor([ids], dtype=torch.long)
@@ -166,8 +184,13 @@ class Engine:
         x = torch.tensor([[token]], dtype=torch.long)
         return self.model(x, Forward(self.cache), last_only=True)[0, -1].float()
 
-    def generate(self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None,
-                 on_token: Callable[[int], bool | None] | None = None) -> Generation:
+    def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        on_token: Callable[[int], bool | None] | None = None,
+    ) -> Generation:
         """Reset, prefill, then sample up to max_tokens. on_token returning True stops early."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -195,13 +218,31 @@ class Engine:
                     logits = self.step(token)
                     decode_s += time.perf_counter() - t
                     steps += 1
-        self._fill_stats(out.stats, len(prompt), len(out.tokens), steps, prefill_s, decode_s,
-                         self.pool.stats.minus(before), self.pool.stats.minus(mid), peaks)
+        self._fill_stats(
+            out.stats,
+            len(prompt),
+            len(out.tokens),
+            steps,
+            prefill_s,
+            decode_s,
+            self.pool.stats.minus(before),
+            self.pool.stats.minus(mid),
+            peaks,
+        )
         return out
 
-    def _fill_stats(self, s: GenerationStats, n_prompt: int, n_gen: int, steps: int,
-                    prefill_s: float, decode_s: float, total: PoolStats, decode: PoolStats,
-                    peaks) -> None:
+    def _fill_stats(
+        self,
+        s: GenerationStats,
+        n_prompt: int,
+        n_gen: int,
+        steps: int,
+        prefill_s: float,
+        decode_s: float,
+        total: PoolStats,
+        decode: PoolStats,
+        peaks,
+    ) -> None:
         """Decode rates count decode steps (forward passes), not the token prefill produced."""
         s.prompt_tokens, s.generated_tokens = n_prompt, n_gen
         s.prefill_s, s.decode_s = prefill_s, decode_s

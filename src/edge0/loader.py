@@ -28,8 +28,12 @@ def build(fam, cfg, experts) -> torch.nn.Module:
         return fam.Model(cfg, experts=experts)
 
 
-def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
-               dtype: torch.dtype | None = None) -> None:
+def load_state(
+    model: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    source: str,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Assign `state` into a meta-built model; a missing, extra or misshapen tensor is an error."""
     expected = model.state_dict()
     extra = sorted(set(state) - set(expected))
@@ -40,8 +44,10 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
         raise ValueError(f"{source}: missing tensor {missing[0]!r}")
     for k, v in state.items():
         if v.shape != expected[k].shape:
-            raise ValueError(f"{source}: tensor {k!r} has shape {tuple(v.shape)}, "
-                             f"the model expects {tuple(expected[k].shape)}")
+            raise ValueError(
+                f"{source}: tensor {k!r} has shape {tuple(v.shape)}, "
+                f"the model expects {tuple(expected[k].shape)}"
+            )
         if dtype is not None and v.is_floating_point():
             state[k] = v.to(dtype)
     model.load_state_dict(state, strict=True, assign=True)
@@ -52,12 +58,17 @@ def load_hf_model(path: Path | str, dtype: torch.dtype = torch.float32) -> torch
     path = check_dir(path)
     fam, cfg = load_config(path)
     ckpt = Checkpoint(path)
-    model = build(fam, cfg, lambda layer: ResidentExperts(
-        cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size))
+    model = build(
+        fam,
+        cfg,
+        lambda layer: ResidentExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size),
+    )
     state = {}
     expert_keys = set()
     for layer in model.moe_layers:
-        src = ExpertSource(ckpt, fam.EXPERT_PREFIX.format(layer=layer), fam.EXPERT_PROJ, cfg.num_experts)
+        src = ExpertSource(
+            ckpt, fam.EXPERT_PREFIX.format(layer=layer), fam.EXPERT_PROJ, cfg.num_experts
+        )
         expert_keys.update(src.keys())
         experts = [src.expert(e) for e in range(cfg.num_experts)]
         prefix = fam.EXPERT_PREFIX.format(layer=layer)
@@ -71,8 +82,9 @@ def load_hf_model(path: Path | str, dtype: torch.dtype = torch.float32) -> torch
     return model.eval()
 
 
-def load_edge0_model(path: Path | str, dtype: torch.dtype = torch.float32,
-                     experts: str = "streaming"):
+def load_edge0_model(
+    path: Path | str, dtype: torch.dtype = torch.float32, experts: str = "streaming"
+):
     """(manifest, model) for an edge0 directory. See the module docstring for `experts`."""
     path = check_dir(path)
     manifest = modeldir.Manifest.load(path)
@@ -85,12 +97,19 @@ def load_edge0_model(path: Path | str, dtype: torch.dtype = torch.float32,
     try:
         state = load_file(str(resident_path))
     except SafetensorError as e:
-        raise ValueError(f"{resident_path}: unreadable safetensors file ({e}); is it truncated?") from e
+        raise ValueError(
+            f"{resident_path}: unreadable safetensors file ({e}); is it truncated?"
+        ) from e
     if experts == "streaming":
         model = build(fam, cfg, StreamingExperts)
     elif experts == "dequantized":
-        model = build(fam, cfg, lambda layer: ResidentExperts(
-            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size))
+        model = build(
+            fam,
+            cfg,
+            lambda layer: ResidentExperts(
+                cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+            ),
+        )
         state.update(dequantized_experts(path, manifest, fam, model.moe_layers))
     else:
         raise ValueError(f"experts must be 'streaming' or 'dequantized', not {experts!r}")
@@ -98,13 +117,16 @@ def load_edge0_model(path: Path | str, dtype: torch.dtype = torch.float32,
     return manifest, model.eval()
 
 
-def dequantized_experts(path: Path, manifest: modeldir.Manifest, fam,
-                        layers: list[int]) -> dict[str, torch.Tensor]:
+def dequantized_experts(
+    path: Path, manifest: modeldir.Manifest, fam, layers: list[int]
+) -> dict[str, torch.Tensor]:
     """fp32 gate_up/down stacks for every MoE layer, from the extents as the kernel sees them."""
     layout = manifest.layout()
     table, extent_bytes, _ = read_table(path / EXPERTS_FILE)
     if extent_bytes != layout.nbytes:
-        raise ValueError(f"{path / EXPERTS_FILE}: extent size {extent_bytes} != edge0.json {layout.nbytes}")
+        raise ValueError(
+            f"{path / EXPERTS_FILE}: extent size {extent_bytes} != edge0.json {layout.nbytes}"
+        )
     out = {}
     with open(path / EXPERTS_FILE, "rb") as f:
         for layer in layers:
@@ -115,7 +137,7 @@ def dequantized_experts(path: Path, manifest: modeldir.Manifest, fam,
             raw = torch.frombuffer(bytearray(f.read(ext.count * extent_bytes)), dtype=torch.uint8)
             w13s, w2s = [], []
             for e in range(ext.count):
-                buf = raw[e * extent_bytes:(e + 1) * extent_bytes].clone()
+                buf = raw[e * extent_bytes : (e + 1) * extent_bytes].clone()
                 layout.finalize(buf)
                 w13, w2 = layout.dequantize(layout.views(buf))
                 w13s.append(w13)

@@ -1,17 +1,17 @@
 """The edge0 model directory and its manifest, edge0.json.
 
-  config.json, tokenizer files, chat template   copied from the Hugging Face source
-  model.safetensors                             resident (non-expert) weights, bf16
-  experts.safetensors                           one aligned int4 extent per routed expert
-  edge0.json                                    format version, family, layout, hashes
-  prerouter.safetensors, lora.safetensors       optional trained adapters
+config.json, tokenizer files, chat template   copied from the Hugging Face source
+model.safetensors                             resident (non-expert) weights, bf16
+experts.safetensors                           one aligned int4 extent per routed expert
+edge0.json                                    format version, family, layout, hashes
+prerouter.safetensors, lora.safetensors       optional trained adapters
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from edge0.checkpoint import check_dir, read_json
@@ -36,38 +36,64 @@ class Manifest:
     files: dict = field(default_factory=dict)
 
     @classmethod
-    def new(cls, *, family: str, layout: ExtentLayout, num_experts: int, native_top_k: int,
-            layers: dict[int, dict[str, int]], source: dict) -> Manifest:
+    def new(
+        cls,
+        *,
+        family: str,
+        layout: ExtentLayout,
+        num_experts: int,
+        native_top_k: int,
+        layers: dict[int, dict[str, int]],
+        source: dict,
+    ) -> Manifest:
         return cls(
             format_version=FORMAT_VERSION,
             family=family,
             quantization={
-                "experts": {"bits": 4, "group_size": 64, "scheme": "affine",
-                            "stored": "w = scale * q + bias (MLX convention)",
-                            "kernel_layout": "aten._weight_int4pack_mm_for_cpu"},
+                "experts": {
+                    "bits": 4,
+                    "group_size": 64,
+                    "scheme": "affine",
+                    "stored": "w = scale * q + bias (MLX convention)",
+                    "kernel_layout": "aten._weight_int4pack_mm_for_cpu",
+                },
                 "resident": "bf16",
             },
             experts={
-                "file": "experts.safetensors", "extent_bytes": layout.nbytes,
-                "hidden": layout.hidden, "inter": layout.inter, "num_experts": num_experts,
-                "fields": {k: {"dtype": str(v[0]).removeprefix("torch."), "shape": list(v[1]),
-                               "offset": v[2]} for k, v in layout.fields.items()},
+                "file": "experts.safetensors",
+                "extent_bytes": layout.nbytes,
+                "hidden": layout.hidden,
+                "inter": layout.inter,
+                "num_experts": num_experts,
+                "fields": {
+                    k: {
+                        "dtype": str(v[0]).removeprefix("torch."),
+                        "shape": list(v[1]),
+                        "offset": v[2],
+                    }
+                    for k, v in layout.fields.items()
+                },
                 "layers": {str(k): v for k, v in layers.items()},
             },
             native_top_k=native_top_k,
             source=source,
-            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            created=datetime.now(UTC).isoformat(timespec="seconds"),
         )
 
     @classmethod
     def load(cls, path: Path | str) -> Manifest:
         path = check_dir(path)
-        raw = read_json(path / MANIFEST, "edge0 manifest; is this an edge0 directory? "
-                        "Build one with `edge0 convert HF_DIR OUT_DIR`")
+        raw = read_json(
+            path / MANIFEST,
+            "edge0 manifest; is this an edge0 directory? "
+            "Build one with `edge0 convert HF_DIR OUT_DIR`",
+        )
         version = raw.get("format_version")
         if version != FORMAT_VERSION:
-            raise ValueError(f"{path / MANIFEST}: format_version {version!r}; this edge0 reads "
-                             f"version {FORMAT_VERSION}. Re-run edge0 convert.")
+            raise ValueError(
+                f"{path / MANIFEST}: format_version {version!r}; this edge0 reads "
+                f"version {FORMAT_VERSION}. Re-run edge0 convert."
+            )
         try:
             return cls(**raw)
         except TypeError as e:

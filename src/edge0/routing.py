@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 
-def softmax_topk(logits: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over E in fp32, top-k, optionally renormalised. logits [T, E] -> weights, indices [T, K].
+def softmax_topk(
+    logits: torch.Tensor, k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over E in fp32, top-k, optionally renormalised: logits [T, E] -> [T, K] x 2.
 
     Weights come back in the logits' dtype, as in Qwen-MoE, OLMoE and Mixtral.
     """

@@ -50,16 +50,16 @@ class IncrementalDecoder:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        before = self._decode(self.ids[self._prefix:self._read])
-        now = self._decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix : self._read])
+        now = self._decode(self.ids[self._prefix :])
         if len(now) > len(before) and not now.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self.ids)
-            return now[len(before):]
+            return now[len(before) :]
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
-        before = self._decode(self.ids[self._prefix:self._read])
-        now = self._decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix : self._read])
+        now = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
-        return now[len(before):]
+        return now[len(before) :]

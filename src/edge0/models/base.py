@@ -27,8 +27,12 @@ class Forward:
     With neither set, every layer routes by its own router: the exact path.
     """
 
-    def __init__(self, cache: KVCache | None = None, predicted: dict[int, torch.Tensor] | None = None,
-                 observer: RoutingObserver | None = None):
+    def __init__(
+        self,
+        cache: KVCache | None = None,
+        predicted: dict[int, torch.Tensor] | None = None,
+        observer: RoutingObserver | None = None,
+    ):
         self.cache = cache
         self.predicted = predicted or {}
         self.observer = observer
@@ -56,11 +60,17 @@ def config_from_dict(cls, raw: dict[str, Any], aliases: dict[str, str] | None = 
         data["rope_theta"] = rope["rope_theta"]
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
-        raise ValueError(f"config.json: rope type {rope_type!r} is not supported (only default RoPE)")
+        raise ValueError(
+            f"config.json: rope type {rope_type!r} is not supported (only default RoPE)"
+        )
     names = {f.name for f in dataclasses.fields(cls)}
-    missing = [f.name for f in dataclasses.fields(cls)
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-               and f.name not in data]
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in data
+    ]
     if missing:
         raise ValueError(f"config.json: missing required field(s) {', '.join(missing)}")
     return cls(**{k: v for k, v in data.items() if k in names})

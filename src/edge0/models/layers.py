@@ -37,7 +37,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim, self.theta = rotary_dim, theta
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         steps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device=positions.device)
         inv_freq = 1.0 / (self.theta ** (steps / self.rotary_dim))
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rot/2]
@@ -67,7 +69,9 @@ class KVCache:
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.length = [0] * num_layers
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v [B, G, T, Dh]; return all cached [B, G, S, Dh]."""
         n, t = self.length[layer], k.shape[2]
         buf_k, buf_v = self.k[layer], self.v[layer]
@@ -100,8 +104,9 @@ def causal_mask(t: int, s: int, device, window: int | None = None) -> torch.Tens
     return mask
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           window: int | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
     """Causal GQA attention: q [B, H, T, Dh], k/v [B, G, S, Dh] -> [B, T, H*Dh]."""
     b, h, t, _ = q.shape
     s = k.shape[2]
@@ -117,9 +122,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 class Attention(nn.Module):
     """GQA self-attention with optional q/k RMSNorm (Qwen3) and optional q/k/v bias (Qwen2)."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, *, qk_norm: bool,
-                 qkv_bias: bool, o_bias: bool = False, eps: float, layer: int,
-                 window: int | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        qk_norm: bool,
+        qkv_bias: bool,
+        o_bias: bool = False,
+        eps: float,
+        layer: int,
+        window: int | None = None,
+    ):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.layer = heads, kv_heads, head_dim, layer
         self.window = window
@@ -132,8 +148,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps)
         self.qk_norm = qk_norm
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: KVCache | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)

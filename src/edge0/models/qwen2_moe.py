@@ -44,7 +44,9 @@ class SparseMoeBlock(qwen3_moe.SparseMoeBlock):
         b, t, d = x.shape
         h = x.reshape(b * t, d)
         weights, indices = self.route(h, fwd)
-        y = (self.experts(h, indices) * weights[..., None].to(h.dtype)).sum(dim=1)  # [T, K, D] -> [T, D]
+        y = (self.experts(h, indices) * weights[..., None].to(h.dtype)).sum(
+            dim=1
+        )  # [T, K, D] -> [T, D]
         y = y + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         return y.view(b, t, d)
 
@@ -53,11 +55,20 @@ class Model(qwen3_moe.Model):
     @staticmethod
     def make_layer(cfg: Config, i: int, experts: Callable[[int], nn.Module]) -> nn.Module:
         attn = Attention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            qk_norm=False, qkv_bias=cfg.qkv_bias, eps=cfg.rms_norm_eps, layer=i,
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            qk_norm=False,
+            qkv_bias=cfg.qkv_bias,
+            eps=cfg.rms_norm_eps,
+            layer=i,
         )
-        mlp = (SparseMoeBlock(cfg, i, experts(i)) if cfg.is_moe_layer(i)
-               else MLP(cfg.hidden_size, cfg.intermediate_size))
+        mlp = (
+            SparseMoeBlock(cfg, i, experts(i))
+            if cfg.is_moe_layer(i)
+            else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
         return qwen3_moe.DecoderLayer(cfg, attn, mlp)
 
 

@@ -53,8 +53,11 @@ class Config:
         return config_from_dict(cls, raw, aliases={"num_local_experts": "num_experts"})
 
     def is_moe_layer(self, i: int) -> bool:
-        return (i not in self.mlp_only_layers and self.num_experts > 0
-                and (i + 1) % self.decoder_sparse_step == 0)
+        return (
+            i not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
 
 class SparseMoeBlock(nn.Module):
@@ -76,15 +79,24 @@ class SparseMoeBlock(nn.Module):
         b, t, d = x.shape
         h = x.reshape(b * t, d)
         weights, indices = self.route(h, fwd)
-        y = (self.experts(h, indices) * weights[..., None].to(h.dtype)).sum(dim=1)  # [T, K, D] -> [T, D]
+        y = (self.experts(h, indices) * weights[..., None].to(h.dtype)).sum(
+            dim=1
+        )  # [T, K, D] -> [T, D]
         return y.view(b, t, d)
 
 
 def attention(cfg: Config, layer: int) -> Attention:
     return Attention(
-        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-        qk_norm=True, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
-        eps=cfg.rms_norm_eps, layer=layer, window=cfg.sliding_window,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        qk_norm=True,
+        qkv_bias=cfg.attention_bias,
+        o_bias=cfg.attention_bias,
+        eps=cfg.rms_norm_eps,
+        layer=layer,
+        window=cfg.sliding_window,
     )
 
 
@@ -112,20 +124,25 @@ class Backbone(nn.Module):
 
 
 class Model(nn.Module):
-    """Causal LM. `experts(layer)` builds each MoE layer's experts module (resident or streaming)."""
+    """Causal LM; `experts(layer)` builds each MoE layer's experts (resident or streaming)."""
 
     def __init__(self, cfg: Config, experts: Callable[[int], nn.Module]):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg, [self.make_layer(cfg, i, experts) for i in range(cfg.num_hidden_layers)])
+        self.model = Backbone(
+            cfg, [self.make_layer(cfg, i, experts) for i in range(cfg.num_hidden_layers)]
+        )
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @staticmethod
     def make_layer(cfg: Config, i: int, experts: Callable[[int], nn.Module]) -> nn.Module:
-        mlp = (SparseMoeBlock(cfg, i, experts(i)) if cfg.is_moe_layer(i)
-               else MLP(cfg.hidden_size, cfg.intermediate_size))
+        mlp = (
+            SparseMoeBlock(cfg, i, experts(i))
+            if cfg.is_moe_layer(i)
+            else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
         return DecoderLayer(cfg, attention(cfg, i), mlp)
 
     @property
@@ -156,7 +173,9 @@ class Model(nn.Module):
             return h @ self.model.embed_tokens.weight.t()
         return self.lm_head(h)
 
-    def forward(self, ids: torch.Tensor, fwd: Forward | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, fwd: Forward | None = None, last_only: bool = False
+    ) -> torch.Tensor:
         h = self.hidden(ids, fwd or Forward())
         return self.logits(h[:, -1:] if last_only else h)
 

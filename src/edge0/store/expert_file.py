@@ -70,7 +70,8 @@ def read_table(path: Path) -> tuple[dict[int, LayerExtents], int, dict[str, str]
         extent_bytes = nbytes
         if data_start + end > size:
             raise ValueError(
-                f"{path}: truncated: layer {parts[2]} needs {data_start + end} bytes, file has {size}"
+                f"{path}: truncated: layer {parts[2]} needs {data_start + end} bytes, "
+                f"file has {size}"
             )
         table[int(parts[2])] = LayerExtents(offset=data_start + start, count=count)
     if extent_bytes is None:
@@ -118,7 +119,10 @@ class ExpertFile:
         if self._map_np is not None:
             for i, buf in enumerate(buffers):
                 start = offset + i * self.extent_bytes
-                np.copyto(np.frombuffer(buf, dtype=np.uint8), self._map_np[start : start + self.extent_bytes])
+                np.copyto(
+                    np.frombuffer(buf, dtype=np.uint8),
+                    self._map_np[start : start + self.extent_bytes],
+                )
             return want
         got = os.preadv(self._fd, buffers, offset)
         if got != want:

@@ -119,5 +119,7 @@ class ExtentLayout:
         w13 = quant.dequantize_affine(
             quant.unpack_cpu(t.w13, 2 * i, d), t.p13[..., 0].t(), t.p13[..., 1].t()
         )
-        w2 = quant.dequantize_affine(quant.unpack_cpu(t.w2, d, i), t.p2[..., 0].t(), t.p2[..., 1].t())
+        w2 = quant.dequantize_affine(
+            quant.unpack_cpu(t.w2, d, i), t.p2[..., 0].t(), t.p2[..., 1].t()
+        )
         return w13, w2

@@ -78,7 +78,8 @@ class ExpertPool:
     ):
         if layout.nbytes != file.extent_bytes:
             raise ValueError(
-                f"{file.path}: extents are {file.extent_bytes} bytes, layout expects {layout.nbytes}"
+                f"{file.path}: extents are {file.extent_bytes} bytes, "
+                f"layout expects {layout.nbytes}"
             )
         self.file = file
         self.layout = layout
@@ -89,11 +90,13 @@ class ExpertPool:
                 f"expert pool of {capacity_bytes} bytes holds no {self.extent_bytes}-byte extent"
             )
         self.capacity_bytes = self.num_slots * self.extent_bytes
-        # Anonymous and page-aligned: slots are valid O_DIRECT targets, untouched pages cost nothing.
+        # Anonymous, page-aligned: valid O_DIRECT targets; untouched pages cost nothing.
         self._mem = mmap.mmap(-1, self.capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._slots = torch.frombuffer(self._mem, dtype=torch.uint8).view(self.num_slots, -1)
-        self._views = [memoryview(self._mem)[i * self.extent_bytes : (i + 1) * self.extent_bytes]
-                       for i in range(self.num_slots)]
+        self._views = [
+            memoryview(self._mem)[i * self.extent_bytes : (i + 1) * self.extent_bytes]
+            for i in range(self.num_slots)
+        ]
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._entries: OrderedDict[tuple[int, int], Entry] = OrderedDict()  # LRU first
         self._lock = threading.Lock()
@@ -110,10 +113,9 @@ class ExpertPool:
             return (self.num_slots - len(self._free)) * self.extent_bytes
 
     def available(self) -> int:
-        """Slots that a request could take right now (free, or evictable)."""
+        """Slots that a request could take (free, or held by unpinned entries)."""
         with self._lock:
-            evictable = sum(1 for e in self._entries.values() if e.pins == 0 and e.future.done())
-            return len(self._free) + evictable
+            return len(self._free) + sum(1 for e in self._entries.values() if e.pins == 0)
 
     def is_resident(self, layer: int, expert: int) -> bool:
         with self._lock:
@@ -128,36 +130,60 @@ class ExpertPool:
         Consecutive missing experts are read with one preadv. Raises PoolExhausted if the
         pool cannot hold them all at once (nothing is pinned then).
         """
-        out: list[Entry] = []
-        missing: list[Entry] = []
-        with self._lock:
-            needed = sum(1 for e in experts if (layer, e) not in self._entries)
-            if needed > len(self._free) + sum(
-                1 for en in self._entries.values() if en.pins == 0 and en.future.done()
-            ):
-                raise PoolExhausted(
-                    f"layer {layer} needs {needed} more expert slots; the pool has "
-                    f"{self.num_slots} ({self.capacity_bytes} bytes) and the rest are pinned. "
-                    "Raise --memory-budget / --expert-cache."
-                )
-            for e in experts:
-                key = (layer, int(e))
-                entry = self._entries.get(key)
-                if entry is not None:
-                    self._entries.move_to_end(key)
-                    self.stats.hits += 1
-                else:
-                    slot = self._take_slot()
-                    entry = Entry(key=key, slot=slot, tensors=self.layout.views(self._slots[slot]),
-                                  future=Future())
-                    self._entries[key] = entry
-                    missing.append(entry)
-                entry.pins += 1
-                out.append(entry)
+        keys = [(layer, int(e)) for e in experts]
+        wanted = set(keys)
+        while True:
+            with self._lock:
+                needed = sum(1 for k in wanted if k not in self._entries)
+                spare = [
+                    en for en in self._entries.values() if en.pins == 0 and en.key not in wanted
+                ]
+                if needed > len(self._free) + len(spare):
+                    raise PoolExhausted(
+                        f"layer {layer} needs {needed} more expert slots; the pool has "
+                        f"{self.num_slots} ({self.capacity_bytes} bytes) and the rest are pinned. "
+                        "Raise --memory-budget / --expert-cache."
+                    )
+                short = needed - len(self._free) - sum(1 for en in spare if en.future.done())
+                if short <= 0:
+                    out, missing = self._pin(keys)
+                    break
+                # only unpinned reads still in flight can make room: wait for them, unlocked
+                inflight = [en.future for en in spare if not en.future.done()][:short]
+            for fut in inflight:
+                fut.exception()
         missing.sort(key=lambda en: en.key[1])
         for run in _runs(missing):
             self._io.submit(self._load_run, layer, run)
         return out
+
+    def _pin(self, keys: list[tuple[int, int]]) -> tuple[list[Entry], list[Entry]]:
+        """Under the lock: pin keys, creating entries (and taking slots) for missing ones.
+
+        Present entries are pinned first, so making room can never evict one of them.
+        """
+        found = {}
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self.stats.hits += 1
+                entry.pins += 1
+                found[key] = entry
+        missing = []
+        for key in keys:
+            if key not in found:
+                slot = self._take_slot()
+                entry = Entry(
+                    key=key,
+                    slot=slot,
+                    tensors=self.layout.views(self._slots[slot]),
+                    future=Future(),
+                    pins=1,
+                )
+                self._entries[key] = found[key] = entry
+                missing.append(entry)
+        return [found[k] for k in keys], missing
 
     def _take_slot(self) -> int:
         if self._free:

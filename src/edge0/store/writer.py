@@ -15,8 +15,14 @@ from pathlib import Path
 import torch
 
 DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8",
-    torch.int32: "I32", torch.int64: "I64", torch.uint32: "U32", torch.int8: "I8",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.uint8: "U8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint32: "U32",
+    torch.int8: "I8",
 }
 
 
@@ -28,8 +34,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 class StreamingSafetensors:
     """Declare every tensor, then `write(name, tensor)` in that order, then `close()`."""
 
-    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None, align: int = 8):
+    def __init__(
+        self,
+        path: Path,
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+        align: int = 8,
+    ):
         self.path = Path(path)
         self._tmp = self.path.with_name(self.path.name + ".partial")
         header: dict[str, object] = {}
@@ -41,7 +52,11 @@ class StreamingSafetensors:
             n = dtype.itemsize
             for s in shape:
                 n *= s
-            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {
+                "dtype": DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
             self._order.append((name, dtype, tuple(shape), n))
             offset += n
         text = json.dumps(header, separators=(",", ":")).encode()
@@ -62,8 +77,11 @@ class StreamingSafetensors:
         if name != want:
             raise ValueError(f"{self.path}: expected tensor {want!r} next, got {name!r}")
         rows = tensor.shape[0] if tensor.dim() else 1
-        if (tensor.dtype != dtype or tuple(tensor.shape[1:]) != shape[1:]
-                or self._rows + rows > (shape[0] if shape else 1)):
+        if (
+            tensor.dtype != dtype
+            or tuple(tensor.shape[1:]) != shape[1:]
+            or self._rows + rows > (shape[0] if shape else 1)
+        ):
             raise ValueError(
                 f"{self.path}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
                 f"declared {dtype} {shape}"
@@ -76,7 +94,9 @@ class StreamingSafetensors:
 
     def close(self) -> None:
         if self._next != len(self._order):
-            raise ValueError(f"{self.path}: {len(self._order) - self._next} declared tensors not written")
+            raise ValueError(
+                f"{self.path}: {len(self._order) - self._next} declared tensors not written"
+            )
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()

@@ -50,7 +50,7 @@ class ExactExecutor:
         experts = torch.unique(indices).tolist()
         entries = self.pool.request(self.layer, experts)
         try:
-            tensors = dict(zip(experts, self.pool.wait(entries)))
+            tensors = dict(zip(experts, self.pool.wait(entries), strict=True))
             return for_each_expert(x, indices, lambda e, xs: swiglu_int4(xs, tensors[e]))
         finally:
             self.pool.release(entries)
@@ -59,9 +59,11 @@ class ExactExecutor:
 class PrefillPlan:
     """Hands whole-layer reads from one layer to the next during one prefill."""
 
-    def __init__(self, pool: ExpertPool, moe_layers: list[int], num_experts: int, routed_slots: int):
+    def __init__(
+        self, pool: ExpertPool, moe_layers: list[int], num_experts: int, routed_slots: int
+    ):
         self.pool = pool
-        self.next_layer = {a: b for a, b in zip(moe_layers, moe_layers[1:])}
+        self.next_layer = {a: b for a, b in zip(moe_layers, moe_layers[1:], strict=False)}
         self.num_experts = num_experts
         # Read a whole layer ahead only when the prompt is long enough to touch most of it.
         self.prefetch = routed_slots >= num_experts
