@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from edge0 import memory
+from edge0 import memory, runtime
 from edge0.store.expert_file import IO_MODES
 
 log = logging.getLogger("edge0")
@@ -105,9 +105,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(
         f"wrote {report.out_dir}: {report.num_extents} expert extents of {report.extent_bytes} "
         f"bytes ({memory.format_bytes(report.expert_bytes)}), resident "
-        f"{memory.format_bytes(report.resident_bytes)}, in {report.seconds:.1f} s, "
-        f"peak RSS {memory.format_bytes(report.peak_rss_bytes)}"
+        f"{memory.format_bytes(report.resident_bytes)}, in {report.seconds:.1f} s; source "
+        f"{memory.format_bytes(report.source_bytes)}, peak RSS "
+        f"{memory.format_bytes(report.peak_rss_bytes)} (anon "
+        f"{memory.format_bytes(report.peak_anon_bytes)}, file "
+        f"{memory.format_bytes(report.peak_file_bytes)})"
     )
+
     return 0
 
 
@@ -136,6 +140,58 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.kernels:
+        from edge0.bench import kernels
+
+        rows = kernels.measure()
+        print(kernels.report(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        return 0
+    if args.io:
+        from edge0.bench import io
+
+        scratch = Path(args.io) / "edge0-io-bench.bin"
+        rows = io.measure(scratch, args.io_size)
+        print(io.report(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        if not args.keep:
+            scratch.unlink(missing_ok=True)
+        return 0
+    raise ValueError("edge0 bench needs --kernels or --io DIR")
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from edge0.synth import Shape, synth
+
+    shape = Shape(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        experts=args.experts,
+        top_k=args.native_top_k,
+        expert_width=args.expert_width,
+        vocab=args.vocab,
+    )
+    out = synth(
+        args.out_dir,
+        shape,
+        fmt=args.format,
+        tokenizer_dir=args.tokenizer,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
+    print(
+        f"wrote {out}: a RANDOM-WEIGHT qwen3_moe ({args.format} format) for speed and memory "
+        "measurements only"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edge0", description="Serve MoE language models from SSD.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -159,6 +215,42 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("synth", help="write a random-weight Qwen3-MoE of a given shape")
+    s.add_argument("out_dir", type=Path)
+    s.add_argument("--format", choices=("edge0", "hf"), default="edge0")
+    s.add_argument("--layers", type=int, default=8)
+    s.add_argument("--hidden", type=int, default=1024)
+    s.add_argument("--heads", type=int, default=16)
+    s.add_argument("--kv-heads", type=int, default=4)
+    s.add_argument("--head-dim", type=int, default=64)
+    s.add_argument("--experts", type=int, default=64)
+    s.add_argument("--native-top-k", type=int, default=8)
+    s.add_argument("--expert-width", type=int, default=512)
+    s.add_argument("--vocab", type=int, default=8192)
+    s.add_argument("--tokenizer", type=Path, default=None, help="copy tokenizer files from here")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_synth)
+
+    b = sub.add_parser("bench", help="measure kernels, disk reads, or decode arms")
+    b.add_argument("--kernels", action="store_true", help="time the int4 / dense CPU kernels")
+    b.add_argument(
+        "--io",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="time cold extent reads per I/O mode, with a scratch file in DIR",
+    )
+    b.add_argument(
+        "--io-size",
+        type=memory.parse_size,
+        default=memory.parse_size("2G"),
+        help="scratch file size for --io (default 2G)",
+    )
+    b.add_argument("--keep", action="store_true", help="keep the --io scratch file")
+    b.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    b.set_defaults(func=cmd_bench)
     return p
 
 
@@ -168,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    runtime.tune_malloc()
     try:
         return args.func(args)
     except USER_ERRORS as e:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0 import modeldir
+from edge0 import memory, modeldir
 from edge0.checkpoint import Checkpoint, ExpertSource, check_dir, load_config, sha256_file
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import tensor_name
@@ -52,6 +52,9 @@ class ConvertReport:
     extent_bytes: int
     seconds: float
     peak_rss_bytes: int
+    peak_anon_bytes: int
+    peak_file_bytes: int
+    source_bytes: int
 
 
 def expected_resident(fam, cfg) -> dict[str, tuple[int, ...]]:
@@ -64,7 +67,15 @@ def expected_resident(fam, cfg) -> dict[str, tuple[int, ...]]:
 def convert(
     hf_dir: Path | str, out_dir: Path | str, *, force: bool = False, progress: bool = True
 ) -> ConvertReport:
+    with memory.PeakSampler() as peaks:
+        report = _convert(hf_dir, out_dir, force, progress)
+    report.peak_anon_bytes, report.peak_file_bytes = peaks.peak_anon, peaks.peak_file
+    return report
+
+
+def _convert(hf_dir, out_dir, force: bool, progress: bool) -> ConvertReport:
     t0 = time.perf_counter()
+
     src = check_dir(hf_dir, "Hugging Face model directory")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not force:
@@ -118,6 +129,9 @@ def convert(
         extent_bytes=layout.nbytes,
         seconds=time.perf_counter() - t0,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_anon_bytes=0,
+        peak_file_bytes=0,
+        source_bytes=sum(f.stat().st_size for f in ckpt.files),
     )
 
 

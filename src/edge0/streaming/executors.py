@@ -23,7 +23,7 @@ from edge0.streaming.experts import for_each_expert, swiglu_dense
 
 # Below this many tokens per expert the int4 kernel beats dequantize + fp32 matmul on the
 # CPUs we measured (docs/kernels.md); above it the dense matmul amortises the dequantization.
-DENSE_MIN_TOKENS = 48
+DENSE_MIN_TOKENS = 96
 
 
 def swiglu_int4(x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
