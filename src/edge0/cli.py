@@ -124,7 +124,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = engine.tokenizer.encode(args.prompt)
         decoder = IncrementalDecoder(engine.tokenizer)
 
-        def on_token(token: int) -> None:
+        def on_token(token: int, logits) -> None:
+
             sys.stdout.write(decoder.push(token))
             sys.stdout.flush()
 
@@ -192,7 +193,53 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_teacher(args: argparse.Namespace) -> int:
+    from edge0.train.teacher import TeacherConfig, train_teacher
+
+    cfg = TeacherConfig(
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        seed=args.seed,
+        layers=args.layers,
+        hidden=args.hidden,
+        experts=args.experts,
+        top_k=args.native_top_k,
+        expert_width=args.expert_width,
+        vocab=args.vocab,
+    )
+    summary = train_teacher(args.out_dir, cfg, progress=not args.quiet)
+    print(
+        f"teacher in {args.out_dir}: {summary['steps']} steps, "
+        f"{summary['train_tokens']} training tokens, held-out perplexity "
+        f"{summary['heldout_ppl']:.2f}"
+    )
+    return 0
+
+
+def add_train_parsers(sub) -> None:
+    t = sub.add_parser("train", help="train a teacher, prerouter heads, or the recovery LoRA")
+    tsub = t.add_subparsers(dest="phase", required=True)
+    te = tsub.add_parser("teacher", help="pre-train a small Qwen3-MoE on the stdlib corpus")
+    te.add_argument("out_dir", type=Path)
+    te.add_argument("--steps", type=int, default=1200)
+    te.add_argument("--batch", type=int, default=8)
+    te.add_argument("--seq-len", type=int, default=256)
+    te.add_argument("--lr", type=float, default=3e-3)
+    te.add_argument("--layers", type=int, default=8)
+    te.add_argument("--hidden", type=int, default=256)
+    te.add_argument("--experts", type=int, default=32)
+    te.add_argument("--native-top-k", type=int, default=8)
+    te.add_argument("--expert-width", type=int, default=128)
+    te.add_argument("--vocab", type=int, default=8192)
+    te.add_argument("--seed", type=int, default=0)
+    te.add_argument("--quiet", action="store_true")
+    te.set_defaults(func=cmd_train_teacher)
+
+
 def build_parser() -> argparse.ArgumentParser:
+
     p = argparse.ArgumentParser(prog="edge0", description="Serve MoE language models from SSD.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -216,7 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
+    add_train_parsers(sub)
+
     s = sub.add_parser("synth", help="write a random-weight Qwen3-MoE of a given shape")
+
     s.add_argument("out_dir", type=Path)
     s.add_argument("--format", choices=("edge0", "hf"), default="edge0")
     s.add_argument("--layers", type=int, default=8)

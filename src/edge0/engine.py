@@ -189,9 +189,13 @@ class Engine:
         prompt: list[int],
         max_tokens: int,
         sampling: SamplingParams | None = None,
-        on_token: Callable[[int], bool | None] | None = None,
+        on_token: Callable[[int, torch.Tensor], bool | None] | None = None,
     ) -> Generation:
-        """Reset, prefill, then sample up to max_tokens. on_token returning True stops early."""
+        """Reset, prefill, then sample up to max_tokens.
+
+        on_token(token, logits) sees each sampled token and the logits [V] it was drawn
+        from (before temperature); returning True stops the generation (finish "stop").
+        """
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         sampler = Sampler(sampling or SamplingParams())
@@ -210,7 +214,7 @@ class Engine:
                     out.finish_reason = "stop"
                     break
                 out.tokens.append(token)
-                if on_token is not None and on_token(token):
+                if on_token is not None and on_token(token, logits):
                     out.finish_reason = "stop"
                     break
                 if i + 1 < max_tokens:

@@ -15,8 +15,8 @@ import torch
 
 from edge0.models.layers import KVCache
 
-# Observer signature: (layer, MoE input h [T, D], executed top-k indices [T, K]).
-RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
+# Observer signature: (layer, MoE input h [T, D], routing logits [T, E], executed top-k [T, K]).
+RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class Forward:
@@ -41,9 +41,11 @@ class Forward:
         pred = self.predicted.get(layer)
         return router(h) if pred is None else pred
 
-    def routed(self, layer: int, h: torch.Tensor, indices: torch.Tensor) -> None:
+    def routed(
+        self, layer: int, h: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor
+    ) -> None:
         if self.observer is not None:
-            self.observer(layer, h, indices)
+            self.observer(layer, h, logits, indices)
 
     def position(self, layer: int) -> int:
         return 0 if self.cache is None else self.cache.length[layer]

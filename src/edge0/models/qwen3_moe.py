@@ -69,10 +69,15 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = experts
 
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing function, logits [T, E] -> weights, indices [T, K]. The prerouter turns
+        its predictions into experts with this same method."""
+        return softmax_topk(logits, self.top_k, self.norm_topk_prob)
+
     def route(self, h: torch.Tensor, fwd: Forward) -> tuple[torch.Tensor, torch.Tensor]:
         logits = fwd.router_logits(self.layer, h, self.gate)  # a prediction replaces the router
-        weights, indices = softmax_topk(logits, self.top_k, self.norm_topk_prob)
-        fwd.routed(self.layer, h, indices)
+        weights, indices = self.select(logits)
+        fwd.routed(self.layer, h, logits, indices)
         return weights, indices
 
     def forward(self, x: torch.Tensor, fwd: Forward) -> torch.Tensor:

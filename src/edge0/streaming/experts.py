@@ -27,15 +27,23 @@ def swiglu_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.
 def for_each_expert(x: torch.Tensor, indices: torch.Tensor, compute) -> torch.Tensor:
     """Run compute(expert, rows of x) for every expert present in indices [T, K]; -> [T, K, D]."""
     t, k = indices.shape
-    out = x.new_zeros(t, k, x.shape[-1])
     if t == 1:  # decode: top-k indices of one token are distinct
-        for slot, e in enumerate(indices[0].tolist()):
-            out[0, slot] = compute(e, x).squeeze(0).to(out.dtype)
-        return out
-    for e in torch.unique(indices).tolist():
-        tok, slot = torch.nonzero(indices == e, as_tuple=True)
-        out[tok, slot] = compute(e, x[tok]).to(out.dtype)
-    return out
+        return torch.stack([compute(e, x).squeeze(0).to(x.dtype) for e in indices[0].tolist()])[
+            None
+        ]
+    # Group the T*K (token, slot) pairs by expert with one sort, run each expert on its
+    # contiguous slice, and undo the sort with one gather: autograd then sees one gather and
+    # one scatter per layer instead of a full-size index_put per expert.
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=int(flat.max()) + 1).tolist()
+    xs = x[order // k]  # [T*K, D] rows in expert order
+    # split (not slicing) so that the backward pass concatenates the grads once
+    ys = torch.cat(
+        [compute(e, rows).to(x.dtype) for e, rows in enumerate(xs.split(counts)) if rows.shape[0]]
+    )
+
+    return ys[torch.argsort(order)].view(t, k, -1)
 
 
 class ResidentExperts(nn.Module):
