@@ -56,6 +56,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="compute dtype of resident weights (default float32)",
     )
     g.add_argument("--threads", type=int, default=None, help="torch compute threads")
+    g.add_argument(
+        "--prerouter",
+        type=Path,
+        default=None,
+        help="prerouter heads (default: MODEL_DIR/prerouter.safetensors if present)",
+    )
+    g.add_argument(
+        "--no-prerouter",
+        action="store_true",
+        help="route every layer by its own router (the exact path)",
+    )
 
 
 def engine_options(args: argparse.Namespace):
@@ -70,6 +81,8 @@ def engine_options(args: argparse.Namespace):
         io_mode=args.io_mode,
         io_threads=args.io_threads,
         dtype=getattr(torch, args.dtype),
+        prerouter=args.prerouter,
+        no_prerouter=args.no_prerouter,
     )
 
 
@@ -161,7 +174,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.keep:
             scratch.unlink(missing_ok=True)
         return 0
-    raise ValueError("edge0 bench needs --kernels or --io DIR")
+    if args.model_dir is None:
+        raise ValueError("edge0 bench needs MODEL_DIR (or --kernels, or --io DIR)")
+    from edge0.bench.ab import BenchConfig, report, run_bench
+
+    cfg = BenchConfig(
+        arms=tuple(a.strip() for a in args.arms.split(",")),
+        top_k=args.top_k,
+        memory_cap=args.memory_cap,
+        tokens=args.tokens,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        io_mode=args.io_mode,
+        expert_cache=args.expert_cache,
+        prerouter=args.prerouter,
+        threads=args.threads,
+    )
+    summary = run_bench(args.model_dir, cfg)
+    print(report(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -218,7 +251,33 @@ def cmd_train_teacher(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_heads(args: argparse.Namespace) -> int:
+    from edge0.train.heads import HeadsConfig, train_heads
+
+    cfg = HeadsConfig(
+        top_k=args.top_k,
+        width=args.width,
+        start_layer=args.start_layer,
+        train_tokens=args.tokens,
+        heldout_tokens=args.heldout_tokens,
+        epochs=args.epochs,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    out = args.out or args.model_dir / "prerouter.safetensors"
+    report = train_heads(args.model_dir, args.data, out, cfg, progress=not args.quiet)
+    print(f"wrote {out} (K={report['K']}); held-out top-{report['K']} recall per consumer layer:")
+    print("| layer | warm start | trained |\n|---|---|---|")
+    for c in report["consumers"]:
+        print(
+            f"| {c} | {report['warm_start_recall'][str(c)]:.3f} | "
+            f"{report['trained_recall'][str(c)]:.3f} |"
+        )
+    return 0
+
+
 def add_train_parsers(sub) -> None:
+
     t = sub.add_parser("train", help="train a teacher, prerouter heads, or the recovery LoRA")
     tsub = t.add_subparsers(dest="phase", required=True)
     te = tsub.add_parser("teacher", help="pre-train a small Qwen3-MoE on the stdlib corpus")
@@ -236,6 +295,31 @@ def add_train_parsers(sub) -> None:
     te.add_argument("--seed", type=int, default=0)
     te.add_argument("--quiet", action="store_true")
     te.set_defaults(func=cmd_train_teacher)
+
+    he = tsub.add_parser("heads", help="phase 1: distill prerouter heads from the routers")
+    he.add_argument("model_dir", type=Path)
+    he.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        help="text files or directories, or 'stdlib' for the built-in corpus",
+    )
+    he.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output file (default MODEL_DIR/prerouter.safetensors)",
+    )
+    he.add_argument("--top-k", type=int, default=None, help="served K (default native)")
+    he.add_argument("--width", type=int, default=512)
+    he.add_argument("--start-layer", type=int, default=None)
+    he.add_argument("--tokens", type=int, default=60_000, help="training tokens to collect")
+    he.add_argument("--heldout-tokens", type=int, default=16_000)
+    he.add_argument("--epochs", type=int, default=6)
+    he.add_argument("--lr", type=float, default=1e-3)
+    he.add_argument("--seed", type=int, default=0)
+    he.add_argument("--quiet", action="store_true")
+    he.set_defaults(func=cmd_train_heads)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,7 +367,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_synth)
 
-    b = sub.add_parser("bench", help="measure kernels, disk reads, or decode arms")
+    b = sub.add_parser(
+        "bench", help="decode A/B of prerouter vs on-demand vs resident; kernels; I/O"
+    )
+    b.add_argument("model_dir", type=Path, nargs="?", default=None)
+    b.add_argument("--arms", default="prerouter,ondemand,resident")
+    b.add_argument("--top-k", type=int, default=None, help="routed experts per token")
+    b.add_argument(
+        "--memory-cap",
+        type=memory.parse_size,
+        default=memory.parse_size("1G"),
+        help="cgroup memory cap of the prerouter and ondemand arms",
+    )
+    b.add_argument(
+        "--expert-cache",
+        type=memory.parse_size,
+        default=None,
+        help="expert pool of the capped arms (default: cap - floor - 600 MiB)",
+    )
+    b.add_argument("--tokens", type=int, default=64, help="timed decode steps per round")
+    b.add_argument("--warmup", type=int, default=8)
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--io-mode", choices=IO_MODES, default="direct")
+    b.add_argument("--prerouter", type=Path, default=None)
+    b.add_argument("--threads", type=int, default=None)
+
     b.add_argument("--kernels", action="store_true", help="time the int4 / dense CPU kernels")
     b.add_argument(
         "--io",

@@ -2,8 +2,9 @@
 
 It owns everything a request touches (KV cache, prerouter features, staged slots) and resets
 it between requests, so no output depends on an earlier request. The expert pool is shared
-across requests: that is the cache. Executors are installed explicitly per phase:
-whole-layer for prefill, exact for decode.
+across requests: that is the cache. Executors are installed explicitly per phase and layer
+role: whole-layer for prefill; at decode, staged for prediction-routed layers and exact for
+the rest. Without a prerouter (or with no_prerouter) every layer is gate-routed and exact.
 """
 
 from __future__ import annotations
@@ -16,15 +17,22 @@ from pathlib import Path
 
 import torch
 
-from edge0 import memory
+from edge0 import memory, modeldir
 from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
 from edge0.models.layers import KVCache
+from edge0.prerouter.head import Prerouter
+from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.sampling import Sampler, SamplingParams
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import ExpertFile
 from edge0.store.pool import ExpertPool, PoolStats
-from edge0.streaming.executors import ExactExecutor, PrefillPlan, WholeLayerExecutor
+from edge0.streaming.executors import (
+    ExactExecutor,
+    PrefillPlan,
+    StagedExecutor,
+    WholeLayerExecutor,
+)
 from edge0.tokenizer import eos_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,8 @@ class EngineOptions:
     dtype: torch.dtype = torch.float32
     max_context: int = 4096  # sizes the KV part of the resident floor
     read_delay_s: float = 0.0  # extra latency per read (tests of overlap)
+    prerouter: Path | None = None  # heads file (default: MODEL_DIR/prerouter.safetensors if any)
+    no_prerouter: bool = False  # gate-route every layer: the exact path, no heads, no slots
 
 
 @dataclass
@@ -60,6 +70,10 @@ class GenerationStats:
     blocked_ms_per_token: float = 0.0
     expert_pool_bytes: int = 0
     resident_floor_bytes: int = 0
+    prediction_routed_layers: int = 0
+    staged_experts: int = 0
+    dropped: int = 0
+    head_ms_per_token: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -101,6 +115,18 @@ class Engine:
         self.eos = eos_ids(self.path, self.tokenizer)
         self.moe_layers = self.model.moe_layers
 
+        heads, self.prerouter_meta = None, {}
+        heads_path = opts.prerouter or self.path / modeldir.PREROUTER_FILE
+        if not opts.no_prerouter and (opts.prerouter is not None or heads_path.exists()):
+            heads, self.prerouter_meta = Prerouter.load(
+                heads_path, cfg.hidden_size, cfg.num_experts, self.moe_layers
+            )
+            trained_k = self.prerouter_meta.get("K")
+            if trained_k and int(trained_k) != self.top_k:
+                log.warning(
+                    "%s was trained at K=%s; serving K=%d", heads_path, trained_k, self.top_k
+                )
+
         layout = self.manifest.layout()
         kv_bytes = (
             2
@@ -110,17 +136,26 @@ class Engine:
             * opts.max_context
             * opts.dtype.itemsize
         )
-        self.floor_bytes = param_bytes(self.model) + kv_bytes
-        pool_bytes = self._pool_bytes(layout.nbytes)
+        self.floor_bytes = param_bytes(self.model) + kv_bytes + (param_bytes(heads) if heads else 0)
         self.pool = ExpertPool(
             ExpertFile(self.path / EXPERTS_FILE, opts.io_mode),
             layout,
-            pool_bytes,
+            self._pool_bytes(layout.nbytes),
             io_threads=opts.io_threads,
             read_delay_s=opts.read_delay_s,
         )
         self._experts = {i: self.model.moe_block(i).experts for i in self.moe_layers}
         self._exact = {i: ExactExecutor(self.pool, i) for i in self.moe_layers}
+        self._decode = self._exact
+        self.prerouter: PrerouterRuntime | None = None
+        if heads is not None:
+            self.prerouter = PrerouterRuntime(heads, self.model, self.pool)
+            self._decode = {
+                i: StagedExecutor(self.pool, i, self.prerouter)
+                if i in self.prerouter.consumers
+                else self._exact[i]
+                for i in self.moe_layers
+            }
         self.cache = KVCache(cfg.num_hidden_layers)
 
     def _pool_bytes(self, extent: int) -> int:
@@ -150,8 +185,11 @@ class Engine:
     # -- per-request state ------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget the current request: fresh KV cache. The expert cache is kept."""
+        """Forget the current request: KV cache, head features, staged pins. The expert
+        cache is kept."""
         self.cache = KVCache(self.config.num_hidden_layers)
+        if self.prerouter is not None:
+            self.prerouter.reset()
 
     @property
     def position(self) -> int:
@@ -170,19 +208,31 @@ class Engine:
             self.pool, self.moe_layers, self.config.num_experts, len(ids) * self.top_k
         )
         self._use({i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers})
+        pre = self.prerouter
         try:
             x = torch.tensor([ids], dtype=torch.long)
-            logits = self.model(x, Forward(self.cache), last_only=True)
+            fwd = Forward(self.cache, observer=pre.observe if pre else None)  # gates route prompts
+            logits = self.model(x, fwd, last_only=True)
         finally:
             plan.release_all()
+        if pre is not None:
+            pre.flush()  # heads on the last prompt position: the first decode token is predicted
         return logits[0, -1].float()
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
-        """One decode step; returns the next logits [V]."""
-        self._use(self._exact)
+        """One decode step; returns the next logits [V]. With a prerouter, the consumers route
+        by last step's predictions and this step's flush starts the next step's reads."""
+        self._use(self._decode)
         x = torch.tensor([[token]], dtype=torch.long)
-        return self.model(x, Forward(self.cache), last_only=True)[0, -1].float()
+        pre = self.prerouter
+        if pre is None:
+            return self.model(x, Forward(self.cache), last_only=True)[0, -1].float()
+        logits = self.model(
+            x, Forward(self.cache, dict(pre.predicted), pre.observe), last_only=True
+        )
+        pre.flush()
+        return logits[0, -1].float()
 
     def generate(
         self,
@@ -202,6 +252,7 @@ class Engine:
         self.reset()
         out = Generation()
         before = self.pool.stats.snapshot()
+        pre_before = self.prerouter.stats.snapshot() if self.prerouter else None
         steps, decode_s = 0, 0.0
         with memory.PeakSampler() as peaks:
             t0 = time.perf_counter()
@@ -233,6 +284,12 @@ class Engine:
             self.pool.stats.minus(mid),
             peaks,
         )
+        if self.prerouter is not None:
+            now, s = self.prerouter.stats, out.stats
+            s.prediction_routed_layers = len(self.prerouter.consumers)
+            s.staged_experts = now.staged - pre_before.staged
+            s.dropped = now.dropped - pre_before.dropped
+            s.head_ms_per_token = (now.head_ns - pre_before.head_ns) / 1e6 / max(1, steps + 1)
         return out
 
     def _fill_stats(

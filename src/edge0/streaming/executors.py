@@ -56,6 +56,35 @@ class ExactExecutor:
             self.pool.release(entries)
 
 
+class StagedExecutor:
+    """Decode path of a prediction-routed layer: its experts were requested one token ahead.
+
+    The routing indices come from the same prediction that chose the staged set, so every
+    routed expert is staged (a mismatch is counted as `dropped`, and still computed). If the
+    pool had no room to stage this layer, its experts are read now, like the exact path.
+    """
+
+    def __init__(self, pool: ExpertPool, layer: int, runtime):
+        self.pool, self.layer, self.runtime = pool, layer, runtime
+
+    def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        staged = {en.key[1]: en for en in self.runtime.take(self.layer)}
+        experts = torch.unique(indices).tolist()
+        late = [e for e in experts if e not in staged]
+        if staged:
+            self.runtime.stats.dropped += len(late)
+        self.runtime.stats.consumed += len(experts)
+        entries = list(staged.values()) + (self.pool.request(self.layer, late) if late else [])
+        try:
+            by_expert = {en.key[1]: en for en in entries}
+            tensors = dict(
+                zip(experts, self.pool.wait([by_expert[e] for e in experts]), strict=True)
+            )
+            return for_each_expert(x, indices, lambda e, xs: swiglu_int4(xs, tensors[e]))
+        finally:
+            self.pool.release(entries)
+
+
 class PrefillPlan:
     """Hands whole-layer reads from one layer to the next during one prefill."""
 

@@ -1,0 +1,90 @@
+"""One arm of `edge0 bench`, run in its own process: replay a token sequence and time decode.
+
+Invoked as `python -m edge0.bench.arm SPEC.json OUT.json` by the orchestrator (edge0.bench.ab).
+The spec names the model, the arm (prerouter | ondemand | resident), K, the pool size, the
+token sequence and the number of warm-up steps. The arm prefills the first token, runs the
+warm-up steps, then times each replayed decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from edge0 import memory, runtime
+from edge0.engine import Engine, EngineOptions
+
+
+def run(spec: dict) -> dict:
+    arm = spec["arm"]
+    opts = EngineOptions(
+        top_k=spec["top_k"],
+        expert_cache=spec.get("expert_cache"),
+        io_mode=spec["io_mode"],
+        io_threads=spec["io_threads"],
+        no_prerouter=arm != "prerouter",
+        prerouter=Path(spec["prerouter"]) if arm == "prerouter" else None,
+    )
+    engine = Engine(spec["model_dir"], opts)
+    tokens = spec["tokens"]
+    warmup = spec["warmup"]
+    with torch.inference_mode():
+        if arm == "resident":  # every expert in memory before timing: the compute-only step
+            for layer in engine.moe_layers:
+                entries = engine.pool.request(layer, list(range(engine.config.num_experts)))
+                engine.pool.wait(entries)
+                engine.pool.release(entries)
+        engine.reset()
+        engine.prefill(tokens[:1])
+        for tok in tokens[1 : 1 + warmup]:
+            engine.step(tok)
+        pool0 = engine.pool.stats.snapshot()
+        pre0 = engine.prerouter.stats.snapshot() if engine.prerouter else None
+        times = []
+        with memory.PeakSampler() as peaks:
+            for tok in tokens[1 + warmup :]:
+                t = time.perf_counter()
+                engine.step(tok)
+                times.append(time.perf_counter() - t)
+    d = engine.pool.stats.minus(pool0)
+    n = len(times)
+    out = {
+        "arm": arm,
+        "steps": n,
+        "step_s": times,
+        "decode_tok_s": n / sum(times),
+        "step_ms": 1e3 * sum(times) / n,
+        "disk_ms_per_step": d.disk_ns / 1e6 / n,
+        "blocked_ms_per_step": d.blocked_ns / 1e6 / n,
+        "bytes_per_step": d.bytes_read / n,
+        "reads_per_step": d.reads / n,
+        "mib_per_read": d.bytes_read / max(1, d.reads) / 2**20,
+        "cache_hits_per_step": d.hits / n,
+        "loads_per_step": d.loads / n,
+        "dropped": (engine.prerouter.stats.dropped - pre0.dropped) if engine.prerouter else 0,
+        "head_ms_per_step": (
+            (engine.prerouter.stats.head_ns - pre0.head_ns) / 1e6 / n if engine.prerouter else 0.0
+        ),
+        "peak_anon_bytes": peaks.peak_anon,
+        "peak_file_bytes": peaks.peak_file,
+        "pool_bytes": engine.pool.capacity_bytes,
+        "floor_bytes": engine.floor_bytes,
+    }
+    engine.close()
+    return out
+
+
+def main() -> int:
+    runtime.tune_malloc()
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
+    Path(sys.argv[2]).write_text(json.dumps(run(spec)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

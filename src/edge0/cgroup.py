@@ -1,0 +1,60 @@
+"""Run a command under a cgroup-v1 memory cap (root only), and read what it used.
+
+The child joins the group before it execs (a tiny `sh` wrapper writes its own pid to
+cgroup.procs), so everything the command allocates, page cache included, is charged to it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup/memory")
+
+
+@dataclass
+class CappedRun:
+    returncode: int
+    max_usage_bytes: int
+    failcnt: int
+    stdout: str
+    stderr: str
+
+
+def available() -> bool:
+    return ROOT.is_dir() and os.access(ROOT, os.W_OK)
+
+
+def run_capped(
+    cmd: list[str],
+    limit_bytes: int,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+) -> CappedRun:
+    """Run cmd with memory.limit_in_bytes = limit_bytes; the group is removed afterwards."""
+    if not available():
+        raise PermissionError(f"{ROOT} is not writable: memory caps need root and cgroup v1")
+    group = ROOT / f"edge0-{uuid.uuid4().hex[:12]}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        wrapper = [
+            "sh",
+            "-c",
+            f'echo $$ > {group / "cgroup.procs"} && exec "$@"',
+            "edge0-capped",
+            *cmd,
+        ]
+        proc = subprocess.run(wrapper, capture_output=True, text=True, timeout=timeout, env=env)
+        return CappedRun(
+            proc.returncode,
+            int((group / "memory.max_usage_in_bytes").read_text()),
+            int((group / "memory.failcnt").read_text()),
+            proc.stdout,
+            proc.stderr,
+        )
+    finally:
+        group.rmdir()

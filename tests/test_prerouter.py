@@ -1,0 +1,206 @@
+"""Prediction-as-routing: heads, staged decode, switches, per-request reset, overlap, phase 1."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+
+from edge0.convert import convert
+from edge0.engine import Engine, EngineOptions
+from edge0.loader import load_edge0_model
+from edge0.models.base import Forward
+from edge0.models.layers import KVCache
+from edge0.prerouter.head import Prerouter, Wiring, features
+from edge0.routing import topk_onehot
+from edge0.sampling import SamplingParams
+from edge0.train.heads import HeadsConfig, train_heads
+from helpers import TEXT, make_hf_model
+
+LAYERS = 6
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pre")
+    make_hf_model(tmp / "hf", scale=4.0, num_hidden_layers=LAYERS)
+    convert(tmp / "hf", tmp / "plain", progress=False)
+    data = tmp / "data"
+    data.mkdir()
+    for i in range(24):  # enough files for a hash-chosen held-out share
+        (data / f"doc{i}.py").write_text(TEXT.replace("add", f"add{i}") * (1 + i % 3))
+    shutil.copytree(tmp / "plain", tmp / "pre")
+    cfg = HeadsConfig(train_tokens=3000, heldout_tokens=1000, seq_len=128, epochs=2, width=64)
+    report = train_heads(
+        tmp / "pre", [str(data)], tmp / "pre" / "prerouter.safetensors", cfg, progress=False
+    )
+    return {"tmp": tmp, "plain": tmp / "plain", "pre": tmp / "pre", "data": data, "report": report}
+
+
+def prompt(engine, text="def add(a, b):"):
+    return engine.tokenizer.encode(text)
+
+
+def test_warm_start_is_the_next_router():
+    moe = [0, 1, 2]
+    pre = Prerouter(Wiring.default(moe), hidden=64, num_experts=8, width=32)
+    routers = {1: torch.randn(8, 64), 2: torch.randn(8, 64)}
+    pre.warm_start(routers)
+    h = torch.randn(5, 64)
+    x = features(h, topk_onehot(torch.randint(0, 8, (5, 2)), 8), torch.zeros(5, 8))
+    for consumer, owner in pre.wiring.owner_of.items():
+        assert torch.allclose(pre.head(owner)(x), h @ routers[consumer].t(), atol=1e-5)
+
+
+def test_file_roundtrip_and_clear_errors(dirs, tmp_path):
+    pre, meta = Prerouter.load(dirs["pre"] / "prerouter.safetensors", 64, 8, list(range(LAYERS)))
+    assert meta["kind"] == "prerouter" and meta["K"] == "2" and "data_hash" in meta
+    assert pre.wiring.consumers == list(range(1, LAYERS))
+    with pytest.raises(ValueError, match=r"prerouter.safetensors: .*shape"):
+        Prerouter.load(dirs["pre"] / "prerouter.safetensors", 128, 8, list(range(LAYERS)))
+    with pytest.raises(FileNotFoundError, match="--no-prerouter"):
+        Prerouter.load(tmp_path / "none.safetensors", 64, 8, list(range(LAYERS)))
+
+
+def test_training_beats_the_warm_start_and_is_deterministic(dirs):
+    report = dirs["report"]
+    warm = sum(report["warm_start_recall"].values())
+    trained = sum(report["trained_recall"].values())
+    assert trained > warm
+    out = dirs["tmp"] / "again.safetensors"
+    cfg = HeadsConfig(train_tokens=3000, heldout_tokens=1000, seq_len=128, epochs=2, width=64)
+    train_heads(dirs["pre"], [str(dirs["data"])], out, cfg, progress=False)
+    a, b = (load_file(str(p)) for p in (out, dirs["pre"] / "prerouter.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same seed
+
+
+def test_no_prerouter_is_the_exact_path(dirs):
+    plain = Engine(dirs["plain"])
+    off = Engine(dirs["pre"], EngineOptions(no_prerouter=True))
+    try:
+        assert off.prerouter is None and plain.prerouter is None
+        ids = prompt(plain)
+        a, b = plain.prefill(ids), off.prefill(ids)
+        assert torch.equal(a, b)
+        for tok in [5, 17, 42, 99]:
+            assert torch.equal(plain.step(tok), off.step(tok))
+        g1 = plain.generate(ids, 20, GREEDY)
+        g2 = off.generate(ids, 20, GREEDY)
+        assert g1.tokens == g2.tokens and g2.stats.staged_experts == 0
+    finally:
+        plain.close()
+        off.close()
+
+
+def test_staged_decode_equals_the_same_routing_computed_exactly(dirs):
+    """Element-wise: the engine's prediction-routed decode vs a reference forward on the
+    dequantized experts, given the very same predicted logits."""
+    engine = Engine(dirs["pre"])
+    _, ref = load_edge0_model(dirs["pre"], experts="dequantized")
+    ref.set_top_k(engine.top_k)
+    try:
+        ids = prompt(engine)
+        engine.reset()
+        logits = engine.prefill(ids)
+        cache = KVCache(LAYERS)
+        with torch.no_grad():
+            ref(torch.tensor([ids]), Forward(cache))
+            worst = 0.0
+            for _ in range(12):
+                tok = int(logits.argmax())
+                predicted = dict(engine.prerouter.predicted)
+                logits = engine.step(tok)
+                want = ref(torch.tensor([[tok]]), Forward(cache, predicted), last_only=True)[0, -1]
+                worst = max(worst, ((logits - want).norm() / want.norm()).item())
+        print(f"staged vs exact with the same routing: worst relative L2 {worst:.2e}")
+        assert worst < 1e-2
+        assert engine.prerouter.stats.dropped == 0
+    finally:
+        engine.close()
+
+
+def test_zero_drops_over_a_long_generation(dirs):
+    engine = Engine(dirs["pre"], EngineOptions(expert_cache=12 * 8192))
+    try:
+        g = engine.generate(prompt(engine), 160, SamplingParams(temperature=0.8, seed=3))
+        s = g.stats
+        steps = len(g.tokens) - 1
+        assert steps > 100
+        assert s.dropped == 0
+        assert s.prediction_routed_layers == LAYERS - 1
+        assert s.staged_experts == (steps + 1) * (LAYERS - 1) * 2
+        assert engine.prerouter.stats.consumed >= steps * (LAYERS - 1) * 2
+    finally:
+        engine.close()
+
+
+def test_request_outputs_do_not_depend_on_earlier_requests(dirs):
+    ids_a, text_b = None, "class Point:"
+    fresh = Engine(dirs["pre"])
+    used = Engine(dirs["pre"])
+    try:
+        ids_a = prompt(used, "import os")
+        used.generate(ids_a, 30, SamplingParams(temperature=1.0, seed=1))
+        b1 = fresh.generate(prompt(fresh, text_b), 25, GREEDY)
+        b2 = used.generate(prompt(used, text_b), 25, GREEDY)
+        assert b1.tokens == b2.tokens
+        fresh.reset()
+        used.reset()
+        l1, l2 = fresh.prefill(prompt(fresh, text_b)), used.prefill(prompt(used, text_b))
+        assert torch.equal(l1, l2)
+        assert torch.equal(fresh.step(7), used.step(7))
+    finally:
+        fresh.close()
+        used.close()
+
+
+def run_arm(path, no_prerouter: bool, tokens: list[int], ids: list[int]) -> dict:
+    opts = EngineOptions(
+        no_prerouter=no_prerouter, read_delay_s=0.02, io_threads=16, expert_cache=12 * 8192
+    )
+    engine = Engine(path, opts)
+    try:
+        engine.reset()
+        engine.prefill(ids)
+        before = engine.pool.stats.snapshot()
+        for tok in tokens:
+            engine.step(tok)
+        d = engine.pool.stats.minus(before)
+        return {"blocked_ms": d.blocked_ns / 1e6 / len(tokens), "bytes": d.bytes_read / len(tokens)}
+    finally:
+        engine.close()
+
+
+def test_a_slow_reader_blocks_at_least_half_less_with_the_prerouter(dirs):
+    ids = list(range(3, 15))
+    tokens = [
+        int(x) for x in torch.randint(0, 384, (24,), generator=torch.Generator().manual_seed(0))
+    ]
+    on_demand = run_arm(dirs["pre"], True, tokens, ids)
+    staged = run_arm(dirs["pre"], False, tokens, ids)
+    print(
+        f"blocked ms/step: on-demand {on_demand['blocked_ms']:.1f}, "
+        f"prerouter {staged['blocked_ms']:.1f}; bytes/step {on_demand['bytes']:.0f} vs "
+        f"{staged['bytes']:.0f}"
+    )
+    assert staged["blocked_ms"] <= 0.5 * on_demand["blocked_ms"]
+    assert 0.75 <= staged["bytes"] / on_demand["bytes"] <= 1.25  # reads moved, not deleted
+
+
+def test_prerouter_file_carries_provenance(dirs):
+    _, meta = Prerouter.load(dirs["pre"] / "prerouter.safetensors", 64, 8, list(range(LAYERS)))
+    for key in (
+        "model",
+        "base_hash",
+        "K",
+        "owners",
+        "width",
+        "data_hash",
+        "created",
+        "format_version",
+    ):
+        assert key in meta, key
