@@ -18,6 +18,13 @@ import torch
 from edge0 import models
 
 INDEX_NAME = "model.safetensors.index.json"
+# Released checkpoints ship trained adapters beside the weight shards; they are not weights.
+ADAPTER_PREFIXES = ("prerouter", "lora")
+
+
+def is_adapter_file(path: Path) -> bool:
+    """True for prerouter*/lora* safetensors files (adapters, not model weights)."""
+    return path.suffix == ".safetensors" and path.name.startswith(ADAPTER_PREFIXES)
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -126,7 +133,9 @@ class Checkpoint:
                 raise ValueError(f"{index}: no weight_map")
             files = sorted(set(weight_map.values()))
         else:
-            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            files = sorted(
+                p.name for p in self.path.glob("*.safetensors") if not is_adapter_file(p)
+            )
             weight_map = None
         if not files:
             raise FileNotFoundError(f"{self.path}: no *.safetensors weights found")
@@ -242,6 +251,10 @@ class ExpertSource:
         gate_up, down = self._cache[0][e], self._cache[1][e]
         gate, up = gate_up.chunk(2, dim=0)
         return gate, up, down
+
+    def extent(self, e: int, layout) -> torch.Tensor:
+        """Expert e quantized into one extent of `layout` (an ExtentLayout)."""
+        return layout.pack(*self.expert(e))
 
     def release(self) -> None:
         self._cache = None

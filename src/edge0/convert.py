@@ -9,10 +9,12 @@ OUT_DIR.partial and renamed when complete: an interrupted convert leaves no half
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from tqdm import tqdm
 
 from edge0 import memory, modeldir
 from edge0.checkpoint import Checkpoint, ExpertSource, check_dir, load_config, sha256_file
+from edge0.models.base import served_keys
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import tensor_name
 from edge0.store.extents import ExtentLayout
@@ -77,41 +80,81 @@ def _convert(hf_dir, out_dir, force: bool, progress: bool) -> ConvertReport:
     t0 = time.perf_counter()
 
     src = check_dir(hf_dir, "Hugging Face model directory")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+    out = check_out_dir(out_dir, force)
     fam, cfg = load_config(src)
     ckpt = Checkpoint(src)
 
-    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-    if not moe_layers:
-        raise ValueError(f"{src / 'config.json'}: the model has no MoE layers to stream")
     sources = {
         i: ExpertSource(ckpt, fam.EXPERT_PREFIX.format(layer=i), fam.EXPERT_PROJ, cfg.num_experts)
-        for i in moe_layers
+        for i in moe_layers(cfg, src)
     }
     for source in sources.values():
         source.check_shapes(cfg.hidden_size, cfg.moe_intermediate_size)
+    return write_model_dir(src, out, fam, cfg, ckpt, sources, progress=progress, t0=t0)
+
+
+def check_out_dir(out_dir: Path | str, force: bool) -> Path:
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+    return out
+
+
+def moe_layers(cfg, src: Path) -> list[int]:
+    layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    if not layers:
+        raise ValueError(f"{src / 'config.json'}: the model has no MoE layers to stream")
+    return layers
+
+
+def write_model_dir(
+    src: Path,
+    out: Path,
+    fam,
+    cfg,
+    ckpt,
+    sources: dict,
+    *,
+    progress: bool,
+    t0: float,
+    source: dict | None = None,
+    config: dict | None = None,
+    extra: Callable[[Path], None] | None = None,
+) -> ConvertReport:
+    """Write an edge0 directory from any checkpoint view and per-layer expert sources.
+
+    `ckpt` needs keys/shape/get/files/hashes (resident tensors under our module names);
+    each source needs keys/extent/release. `config` replaces config.json's content,
+    `source` the manifest's provenance, and `extra(tmp)` adds files before hashing.
+    """
     layout = ExtentLayout(cfg.hidden_size, cfg.moe_intermediate_size)
-    expert_keys = {k for s in sources.values() for k in s.keys()}
-    resident = _check_resident(ckpt, expected_resident(fam, cfg), expert_keys)
+    skip = {k for s in sources.values() for k in s.keys()}
+    skip |= set(ckpt.keys()) - set(served_keys(fam, cfg, ckpt.keys()))  # e.g. a vision tower
+    resident = _check_resident(ckpt, expected_resident(fam, cfg), skip)
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        resident_bytes = _write_resident(ckpt, resident, tmp / modeldir.RESIDENT_FILE, progress)
+        keep_fp32 = getattr(fam, "KEEP_FP32", ())
+        resident_bytes = _write_resident(
+            ckpt, resident, tmp / modeldir.RESIDENT_FILE, progress, keep_fp32
+        )
         table = _write_experts(cfg, sources, layout, tmp / EXPERTS_FILE, progress)
         for name in ("config.json",) + TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if extra is not None:
+            extra(tmp)
         manifest = modeldir.Manifest.new(
             family=cfg.model_type,
             layout=layout,
             num_experts=cfg.num_experts,
             native_top_k=cfg.num_experts_per_tok,
             layers=table,
-            source={"path": str(src.resolve()), "files": ckpt.hashes()},
+            source=source or {"path": str(src.resolve()), "files": ckpt.hashes()},
         )
         manifest.files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest.save(tmp)
@@ -124,8 +167,8 @@ def _convert(hf_dir, out_dir, force: bool, progress: bool) -> ConvertReport:
     return ConvertReport(
         out_dir=out,
         resident_bytes=resident_bytes,
-        expert_bytes=len(moe_layers) * cfg.num_experts * layout.nbytes,
-        num_extents=len(moe_layers) * cfg.num_experts,
+        expert_bytes=len(sources) * cfg.num_experts * layout.nbytes,
+        num_extents=len(sources) * cfg.num_experts,
         extent_bytes=layout.nbytes,
         seconds=time.perf_counter() - t0,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -136,10 +179,11 @@ def _convert(hf_dir, out_dir, force: bool, progress: bool) -> ConvertReport:
 
 
 def _check_resident(
-    ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], expert_keys: set[str]
+    ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], skip: set[str]
 ) -> list[str]:
-    """Resident tensor names in declaration order; errors name a missing/extra/misshapen one."""
-    present = [k for k in ckpt.keys() if k not in expert_keys]
+    """Resident tensor names in declaration order; errors name a missing/extra/misshapen one.
+    `skip`: expert tensors and tensors the family does not serve."""
+    present = [k for k in ckpt.keys() if k not in skip]
     extra = [k for k in present if k not in expected]
     if extra:
         raise ValueError(
@@ -149,7 +193,10 @@ def _check_resident(
         )
     missing = [k for k in expected if k not in ckpt]
     if missing:
-        raise ValueError(f"{ckpt.path}: missing tensor {missing[0]!r}")
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(
+            f"{ckpt.path}: missing tensor {missing[0]!r}{more}, which config.json implies"
+        )
     for k in expected:
         if tuple(ckpt.shape(k)) != expected[k]:
             raise ValueError(
@@ -159,14 +206,19 @@ def _check_resident(
     return list(expected)
 
 
-def _write_resident(ckpt: Checkpoint, keys: list[str], path: Path, progress: bool) -> int:
-    specs = [(k, torch.bfloat16, tuple(ckpt.shape(k))) for k in keys]
+def _write_resident(
+    ckpt: Checkpoint, keys: list[str], path: Path, progress: bool, keep_fp32: tuple[str, ...] = ()
+) -> int:
+    """bf16, except names ending in one of the family's `KEEP_FP32` suffixes (routers and
+    selection biases, whose bf16 rounding would change which experts are chosen)."""
+    dtypes = {k: torch.float32 if k.endswith(keep_fp32) else torch.bfloat16 for k in keys}
+    specs = [(k, dtypes[k], tuple(ckpt.shape(k))) for k in keys]
     writer = StreamingSafetensors(path, specs, metadata={"format": "pt", "edge0": "resident"})
     total = 0
     for k in tqdm(keys, desc="resident weights", unit="tensor", disable=not progress):
-        t = ckpt.get(k).to(torch.bfloat16)
+        t = ckpt.get(k).to(dtypes[k])
         writer.write(k, t)
-        total += t.numel() * 2
+        total += t.numel() * t.element_size()
     writer.close()
     return total
 
@@ -195,8 +247,7 @@ def _write_experts(
     for layer, source in sources.items():
         table[layer] = {"offset": offset, "count": cfg.num_experts}
         for e in range(cfg.num_experts):
-            gate, up, down = source.expert(e)
-            writer.write(tensor_name(layer), layout.pack(gate, up, down)[None])
+            writer.write(tensor_name(layer), source.extent(e, layout)[None])
             bar.update(1)
         source.release()
         offset += cfg.num_experts * layout.nbytes

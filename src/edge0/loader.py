@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from edge0 import modeldir
 from edge0.checkpoint import Checkpoint, ExpertSource, check_dir, load_config
+from edge0.models.base import served_keys
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
 from edge0.streaming.experts import ResidentExperts, StreamingExperts
@@ -75,7 +76,7 @@ def load_hf_model(path: Path | str, dtype: torch.dtype = torch.float32) -> torch
         state[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
         state[f"{prefix}.down_proj"] = torch.stack([d for _, _, d in experts])
         src.release()
-    for k in ckpt.keys():
+    for k in served_keys(fam, cfg, ckpt.keys()):
         if k not in expert_keys:
             state[k] = ckpt.get(k)
     load_state(model, state, str(path), dtype)

@@ -24,6 +24,36 @@ def softmax_topk(
     return weights.to(logits.dtype), indices
 
 
+def sigmoid_group(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / Ling routing, logits [T, E] -> fp32 weights, indices [T, K].
+
+    Scores are sigmoid(logits) in fp32. The expert bias steers selection only: the best
+    `topk_group` of `n_group` groups (ranked by the sum of each group's two best biased
+    scores) stay eligible, and the top-k biased scores among them are chosen. The weights
+    are the unbiased scores, optionally renormalised, times `scaling`.
+    """
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias.float()
+    t, e = choice.shape
+    groups = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    kept = torch.topk(groups, topk_group, dim=-1).indices
+    eligible = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, kept, True)
+    choice = choice.masked_fill(~eligible.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    indices = torch.topk(choice, k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, indices
+
+
 def topk_onehot(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """indices [T, K] -> multi-hot [T, E] float (1 where an expert was selected)."""
     out = torch.zeros(*indices.shape[:-1], num_experts, device=indices.device)

@@ -4,11 +4,26 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from edge0.models import qwen2_moe, qwen3_moe
+from edge0.models import (
+    bailing_hybrid,
+    deepseek_v3,
+    mixtral,
+    olmoe,
+    qwen2_moe,
+    qwen3_5_moe,
+    qwen3_5_moe_text,
+    qwen3_moe,
+)
 
 FAMILIES: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,
     "qwen2_moe": qwen2_moe,
+    "qwen3_5_moe": qwen3_5_moe,
+    "qwen3_5_moe_text": qwen3_5_moe_text,
+    "deepseek_v3": deepseek_v3,
+    "olmoe": olmoe,
+    "mixtral": mixtral,
+    "bailing_hybrid": bailing_hybrid,
 }
 
 

@@ -1,14 +1,17 @@
 """What every model family shares: the per-call Forward state and config helpers.
 
-A family file defines a config dataclass (`from_dict`), a `Model` with module names equal
-to the checkpoint's tensor names, `expert_keys` (where its routed experts live in a Hugging
-Face checkpoint) and `sanitize` (renaming / stacking into the module names).
+A family file defines a config dataclass (`from_dict`, `is_moe_layer`), a `Model` with module
+names equal to the checkpoint's tensor names, `EXPERT_PREFIX` / `EXPERT_PROJ` (where its routed
+experts live in a Hugging Face checkpoint), `LORA_TARGETS` (projections, relative to a decoder
+layer, that the recovery LoRA may attach to), and optionally `ignore_key(cfg, key)` (checkpoint
+tensors it does not serve, such as a vision tower or multi-token-prediction layers) and
+`KEEP_FP32` (name suffixes `convert` keeps in fp32 rather than bf16: routers, selection biases).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -76,3 +79,10 @@ def config_from_dict(cls, raw: dict[str, Any], aliases: dict[str, str] | None = 
     if missing:
         raise ValueError(f"config.json: missing required field(s) {', '.join(missing)}")
     return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def served_keys(fam, cfg, keys: Iterable[str]) -> list[str]:
+    """The checkpoint tensors a family serves: those `fam.ignore_key(cfg, key)` names (a vision
+    tower, multi-token-prediction layers) are neither loaded nor an error."""
+    ignore = getattr(fam, "ignore_key", None)
+    return [k for k in keys if ignore is None or not ignore(cfg, k)]

@@ -62,12 +62,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class KVCache:
-    """Per-layer key/value buffers that grow by doubling; views are handed to attention."""
+    """One request's per-layer state: growing key/value buffers for attention layers (views are
+    handed to attention), a fixed-size state tuple for recurrent layers (linear attention's
+    conv window and recurrent matrix). `length[layer]` counts the tokens each layer has seen.
+
+    MLA layers store their compressed latent and rope key as the (k, v) pair.
+    """
 
     def __init__(self, num_layers: int):
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.state: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers
         self.length = [0] * num_layers
+
+    def update_state(self, layer: int, state: tuple[torch.Tensor, ...], t: int) -> None:
+        """Replace a recurrent layer's state after it consumed t more tokens."""
+        self.state[layer] = state
+        self.length[layer] += t
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -89,7 +100,9 @@ class KVCache:
         return buf_k[:, :, : n + t], buf_v[:, :, : n + t]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+        tensors = [t for t in self.k + self.v if t is not None]
+        tensors += [t for s in self.state if s is not None for t in s]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def causal_mask(t: int, s: int, device, window: int | None = None) -> torch.Tensor | None:
@@ -176,3 +189,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, then times act(gate): the output norm of linear-attention
+    layers (SiLU in Gated DeltaNet, sigmoid in Kimi Delta Attention). Computed in fp32."""
+
+    def __init__(self, dim: int, eps: float, act=F.silu):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.act = eps, act
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x * self.act(gate.float())).to(dtype)

@@ -74,3 +74,8 @@ class Model(qwen3_moe.Model):
 
 EXPERT_PREFIX = qwen3_moe.EXPERT_PREFIX
 EXPERT_PROJ = qwen3_moe.EXPERT_PROJ
+LORA_TARGETS = qwen3_moe.LORA_TARGETS + (
+    "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.down_proj",
+)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from edge0.models.base import Forward, config_from_dict
-from edge0.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from edge0.models.layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding
 from edge0.routing import softmax_topk
 
 
@@ -151,11 +151,26 @@ class Model(nn.Module):
         return DecoderLayer(cfg, attention(cfg, i), mlp)
 
     @property
+    def backbone(self) -> nn.Module:
+        """The module holding embed_tokens, layers and norm (families nest it differently)."""
+        return self.model
+
+    @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.config.num_hidden_layers) if self.config.is_moe_layer(i)]
 
     def moe_block(self, layer: int) -> SparseMoeBlock:
-        return self.model.layers[layer].mlp
+        return self.backbone.layers[layer].mlp
+
+    def new_cache(self) -> KVCache:
+        """Fresh per-request state (KV buffers, recurrent states) for this model."""
+        return KVCache(self.config.num_hidden_layers)
+
+    def cache_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        """Bytes of per-request state after `tokens` tokens (sizes the resident floor)."""
+        cfg = self.config
+        per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        return cfg.num_hidden_layers * tokens * per_token
 
     def set_top_k(self, k: int) -> None:
         """Serve k experts per token instead of the native width."""
@@ -166,16 +181,16 @@ class Model(nn.Module):
 
     def hidden(self, ids: torch.Tensor, fwd: Forward) -> torch.Tensor:
         """ids [B, T] -> final-norm hidden states [B, T, D]."""
-        x = self.model.embed_tokens(ids)
+        x = self.backbone.embed_tokens(ids)
         start = fwd.position(0)
         rope = self.rotary(torch.arange(start, start + ids.shape[1], device=ids.device), x.dtype)
-        for layer in self.model.layers:
+        for layer in self.backbone.layers:
             x = layer(x, rope, fwd)
-        return self.model.norm(x)
+        return self.backbone.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.config.tie_word_embeddings:
-            return h @ self.model.embed_tokens.weight.t()
+            return h @ self.backbone.embed_tokens.weight.t()
         return self.lm_head(h)
 
     def forward(
@@ -187,3 +202,4 @@ class Model(nn.Module):
 
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")

@@ -1,0 +1,512 @@
+"""`edge0 inspect DIR`: what a checkpoint costs, from safetensors headers alone.
+
+For a Hugging Face, MLX or edge0 directory it counts parameters and bytes (total, routed
+experts, and the resident floor by kind), active parameters per token at the native and the
+served K, the size of one expert as stored and as an edge0 extent, and the peak memory edge0
+would use under a memory budget. No tensor data is read: a header-only file with a sparse
+data region is inspected like the real checkpoint.
+
+Counting rules (the ones a header audit uses):
+  * an MLX-quantized weight counts its logical [out, in] (in = scale groups * group_size);
+    its packed words, scales and biases count as bytes, not parameters;
+  * an edge0 extent counts its expert's 3 * D * I parameters;
+  * active per token = every served non-expert parameter, with the embedding table counted
+    as the one row a token reads (all of it when tied to the output), plus K experts per
+    MoE layer. Adapters and unserved tensors (vision tower, MTP layers) are reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from edge0 import memory
+from edge0.checkpoint import INDEX_NAME, check_dir, is_adapter_file, read_header, read_json
+from edge0.mlx_format import QuantConfig, split_quantized
+from edge0.store.extents import ExtentLayout
+
+log = logging.getLogger(__name__)
+
+KINDS = (
+    "attention",
+    "embeddings",
+    "lm_head",
+    "shared_experts",
+    "routers",
+    "norms",
+    "dense_mlp",
+    "other",
+)
+NOT_SERVED = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "mtp")
+_LAYER = re.compile(r"\blayers\.(\d+)\.")
+_EXPERT = re.compile(r"\bexperts\.(\d+)\.")
+
+
+@dataclass
+class Count:
+    params: int = 0
+    bytes: int = 0
+    tensors: int = 0
+
+    def add(self, params: int, nbytes: int) -> None:
+        self.params += params
+        self.bytes += nbytes
+        self.tensors += 1
+
+
+@dataclass
+class Tensor:
+    """One logical tensor: name (module path for quantized weights), kind, counts."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    params: int
+    bytes: int
+    stored: int = 1  # tensors in the file: 3 for an MLX-quantized weight
+
+
+def kind_of(name: str) -> str:
+    """routed / unused or one of KINDS, from a tensor (or module) name."""
+    parts = name.split(".")
+    if any(p in NOT_SERVED for p in parts[:3]):
+        return "unused"
+    if re.search(r"\.(experts|switch_mlp)\.", name):
+        return "routed"
+    if re.search(r"\.(gate|router)(\.|$)", name) or "shared_expert_gate" in parts:
+        return "routers"
+    if parts[-1] in ("e_score_correction_bias", "expert_bias"):
+        return "routers"
+    if "shared_expert" in parts or "shared_experts" in parts:
+        return "shared_experts"
+    if any(p in ("embed_tokens", "word_embeddings", "wte", "tok_embeddings") for p in parts):
+        return "embeddings"
+    if "lm_head" in parts:
+        return "lm_head"
+    module = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
+    if "norm" in module:
+        return "norms"
+    if any(p in ("self_attn", "linear_attn", "attention", "attn", "mixer") for p in parts):
+        return "attention"
+    if any(p in ("mlp", "feed_forward", "block_sparse_moe") for p in parts):
+        return "dense_mlp"
+    return "other"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def flat_config(raw: dict) -> dict:
+    """config.json with a multimodal `text_config` lifted to the top level."""
+    text = raw.get("text_config")
+    return {**raw, **text} if isinstance(text, dict) else dict(raw)
+
+
+def _first(cfg: dict, *keys, default=None):
+    return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
+
+
+# -- reading a directory -----------------------------------------------------------------------
+
+
+def detect_format(path: Path, raw_config: dict) -> str:
+    if (path / "edge0.json").is_file():
+        return "edge0"
+    return "mlx" if QuantConfig.from_config(raw_config, str(path)) is not None else "hf"
+
+
+def weight_files(path: Path, fmt: str) -> list[Path]:
+    if fmt == "edge0":
+        return [path / "model.safetensors", path / "experts.safetensors"]
+    index = path / INDEX_NAME
+    if index.is_file():
+        weight_map = read_json(index, "shard index").get("weight_map") or {}
+        return [path / f for f in sorted(set(weight_map.values()))]
+    return sorted(p for p in path.glob("*.safetensors") if not is_adapter_file(p))
+
+
+def read_tensors(files: list[Path], qcfg: QuantConfig | None) -> list[Tensor]:
+    """Logical tensors of safetensors files, from their headers."""
+    out = []
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: missing (listed for this directory)")
+        table, _ = read_header(f)
+        quantized, plain = split_quantized(table, qcfg, str(f))
+        for module, qt in quantized.items():
+            out.append(Tensor(module, kind_of(module), qt.shape, qt.numel, qt.nbytes, 3))
+        for key in plain:
+            info = table[key]
+            out.append(Tensor(key, kind_of(key), info.shape, _numel(info.shape), info.nbytes))
+    return out
+
+
+class Tally:
+    """Counts by kind, and per MoE layer the routed parameters and the number of experts."""
+
+    def __init__(self):
+        self.total, self.routed, self.unused = Count(), Count(), Count()
+        self.resident = {k: Count() for k in KINDS}
+        self.layer_params: dict[int, int] = {}
+        self._experts: dict[int, set[int] | int] = {}  # expert indices seen, or a stack's E
+
+    def add(self, t: Tensor, manifest: dict | None) -> None:
+        if t.kind == "unused":
+            self.unused.add(t.params, t.bytes)
+            return
+        params = t.params
+        if t.kind == "routed":
+            m = _LAYER.search(t.name)
+            layer = int(m[1]) if m else -1
+            if t.name.endswith(".extents"):  # edge0: U8 [E, extent bytes], 3*D*I params each
+                ex = (manifest or {}).get("experts") or {}
+                params = t.shape[0] * 3 * ex.get("hidden", 0) * ex.get("inter", 0)
+                self._experts[layer] = t.shape[0]
+            elif e := _EXPERT.search(t.name):  # per-expert keys: count distinct indices
+                seen = self._experts.setdefault(layer, set())
+                if isinstance(seen, set):
+                    seen.add(int(e[1]))
+            else:  # a stack [E, out, in] (HF fused, MLX switch_mlp)
+                self._experts[layer] = t.shape[0]
+            self.layer_params[layer] = self.layer_params.get(layer, 0) + params
+            self.routed.add(params, t.bytes)
+        else:
+            self.resident[t.kind].add(params, t.bytes)
+        self.total.add(params, t.bytes)
+
+    def experts(self) -> dict[int, int]:
+        return {k: len(v) if isinstance(v, set) else v for k, v in self._experts.items()}
+
+
+# -- the report -----------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    path: str
+    format: str
+    family: str | None
+    files: int
+    tensors: int
+    hidden: int
+    moe_layers: int
+    experts_per_layer: int
+    native_top_k: int
+    served_top_k: int
+    total: Count
+    routed_experts: Count
+    resident: dict[str, Count]
+    resident_total: Count
+    adapters: dict[str, Count]
+    unused: Count
+    active: dict[str, dict[str, int]]
+    per_expert: dict[str, int | None]
+    stored_floor: dict[str, int]
+    memory: dict[str, object] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def inspect_dir(
+    path: Path | str,
+    *,
+    top_k: int | None = None,
+    memory_budget: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_context: int = 4096,
+) -> Report:
+    """Inspect a Hugging Face, MLX or edge0 directory without reading tensor data."""
+    path = check_dir(path)
+    raw = read_json(path / "config.json", "model configuration")
+    cfg = flat_config(raw)
+    fmt = detect_format(path, raw)
+    qcfg = QuantConfig.from_config(raw, str(path / "config.json"))
+    files = weight_files(path, fmt)
+    tensors = read_tensors(files, qcfg)
+    manifest = read_json(path / "edge0.json", "edge0 manifest") if fmt == "edge0" else None
+
+    tally = Tally()
+    for t in tensors:
+        tally.add(t, manifest)
+    total, routed, unused, resident = tally.total, tally.routed, tally.unused, tally.resident
+    resident_total = Count(
+        sum(c.params for c in resident.values()),
+        sum(c.bytes for c in resident.values()),
+        sum(c.tensors for c in resident.values()),
+    )
+    experts = tally.experts()
+    if not experts:
+        raise ValueError(f"{path}: no routed expert tensors found; is this an MoE checkpoint?")
+    n_experts = max(experts.values())
+    layer_params = tally.layer_params
+    per_expert_params = {k: layer_params[k] // experts[k] for k in experts}
+    embed = next((t for t in tensors if t.kind == "embeddings"), None)
+    hidden = int(_first(cfg, "hidden_size", "d_model", default=embed.shape[-1] if embed else 0))
+    native_k = int(_first(cfg, "num_experts_per_tok", "moe_topk", "top_k", default=0))
+    if not native_k and top_k is None:
+        raise ValueError(f"{path / 'config.json'}: no num_experts_per_tok; pass --top-k")
+    served_k = top_k or native_k
+    if not 1 <= served_k <= n_experts:
+        raise ValueError(f"--top-k {served_k} must be between 1 and {n_experts}")
+
+    # a token reads one embedding row, unless the table is also the output projection
+    tied = resident["lm_head"].params == 0
+    embed_active = resident["embeddings"].params if tied or embed is None else embed.shape[-1]
+    base_active = resident_total.params - resident["embeddings"].params + embed_active
+
+    def active(k: int) -> dict[str, int]:
+        return {"k": k, "params": base_active + k * sum(per_expert_params.values())}
+
+    adapters = read_adapters(path)
+    one = max(per_expert_params.values())
+    width = one // (3 * hidden) if hidden else 0
+    try:
+        extent = ExtentLayout(hidden, width).nbytes
+    except ValueError:  # not int4-kernel shaped: edge0 cannot hold this model's experts
+        extent = None
+    stored_one = routed.bytes // sum(experts.values())
+    adapter_bytes = sum(c.bytes for c in adapters.values())
+    moe = len(experts)
+    report = Report(
+        path=str(path),
+        format=fmt,
+        family=raw.get("model_type"),
+        files=len(files),
+        tensors=sum(t.stored for t in tensors),
+        hidden=hidden,
+        moe_layers=moe,
+        experts_per_layer=n_experts,
+        native_top_k=native_k,
+        served_top_k=served_k,
+        total=total,
+        routed_experts=routed,
+        resident=resident,
+        resident_total=resident_total,
+        adapters=adapters,
+        unused=unused,
+        active={"native": active(native_k), "served": active(served_k)},
+        per_expert={
+            "params": one,
+            "width": width,
+            "stored_bytes": stored_one,
+            "extent_bytes": extent,
+        },
+        # what a runtime holding weights as stored (MLX) keeps: the audit's arithmetic
+        stored_floor={
+            "resident_bytes": resident_total.bytes,
+            "with_adapters_bytes": resident_total.bytes + adapter_bytes,
+            "plus_one_decode_step_bytes": resident_total.bytes
+            + adapter_bytes
+            + served_k * moe * stored_one,
+        },
+    )
+    if extent is not None:
+        report.memory = predict_memory(path, raw, report, extent, memory_budget, dtype, max_context)
+    return report
+
+
+def read_adapters(path: Path) -> dict[str, Count]:
+    """Prerouter and LoRA files in the directory, counted per kind."""
+    out: dict[str, Count] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        if not is_adapter_file(f):
+            continue
+        kind = "prerouter" if f.name.startswith("prerouter") else "lora"
+        c = out.setdefault(kind, Count())
+        for t in read_tensors([f], None):
+            c.add(t.params, t.bytes)
+    return out
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+def state_bytes(path: Path, raw: dict, tokens: int, dtype: torch.dtype) -> tuple[int, str]:
+    """Per-request state (KV cache, recurrent states) after `tokens` tokens, and its source:
+    the family's own `cache_bytes` when edge0 serves this family, else a config estimate."""
+    from edge0.checkpoint import load_config
+    from edge0.streaming.experts import StreamingExperts
+
+    try:
+        fam, cfg = load_config(path)
+        with torch.device("meta"):
+            model = fam.Model(cfg, experts=StreamingExperts)
+        if hasattr(model, "cache_bytes"):
+            return model.cache_bytes(tokens, dtype), f"{cfg.model_type} cache_bytes"
+    except ValueError as e:  # a family edge0 does not serve can still be inspected
+        log.info("%s: state estimated from config.json (%s)", path, e)
+    cfg = flat_config(raw)
+    layers = int(_first(cfg, "num_hidden_layers", default=0))
+    types = cfg.get("layer_types")
+    full = types.count("full_attention") if isinstance(types, list) else layers
+    if cfg.get("kv_lora_rank"):  # MLA keeps a compressed latent + the rope key per token
+        per_token = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))
+    else:
+        heads = int(_first(cfg, "num_attention_heads", default=1))
+        kv = int(_first(cfg, "num_key_value_heads", default=heads))
+        head_dim = int(_first(cfg, "head_dim", default=int(cfg.get("hidden_size", 0)) // heads))
+        per_token = 2 * kv * head_dim
+    return full * tokens * per_token * dtype.itemsize, "config estimate (full attention only)"
+
+
+def predict_memory(
+    path: Path,
+    raw: dict,
+    r: Report,
+    extent: int,
+    budget: int | None,
+    dtype: torch.dtype,
+    max_context: int,
+) -> dict[str, object]:
+    """The engine's budget rule: floor = resident weights and adapters at the compute dtype
+    + per-request state at max_context; pool = budget - floor in whole extents, at most every
+    expert and at least K; peak = floor + pool (interpreter and allocator overhead excluded)."""
+    size = dtype.itemsize
+    weights = r.resident_total.params * size
+    adapters = sum(c.params for c in r.adapters.values()) * size
+    state, state_source = state_bytes(path, raw, max_context, dtype)
+    floor = weights + adapters + state
+    all_experts = r.moe_layers * r.experts_per_layer * extent
+    minimum = r.served_top_k * extent
+    out: dict[str, object] = {
+        "dtype": str(dtype).removeprefix("torch."),
+        "max_context": max_context,
+        "resident_weights_bytes": weights,
+        "adapter_bytes": adapters,
+        "state_bytes": state,
+        "state_source": state_source,
+        "floor_bytes": floor,
+        "extent_bytes": extent,
+        "experts_on_disk_bytes": all_experts,
+        "min_pool_bytes": minimum,
+        "decode_step_pool_bytes": r.served_top_k * r.moe_layers * extent,
+        "memory_budget": budget,
+    }
+    if budget is None:
+        out["predicted_peak_bytes"] = floor + minimum
+        out["note"] = "no --memory-budget: peak shown with the smallest pool (K extents)"
+        return out
+    pool = min(budget - floor, all_experts) // extent * extent  # the pool holds whole slots
+    out["pool_bytes"] = max(pool, 0)
+    out["fits"] = pool >= minimum
+    out["predicted_peak_bytes"] = floor + pool if pool >= minimum else None
+    if pool < minimum:
+        out["note"] = (
+            f"--memory-budget {memory.format_bytes(budget)} is below the floor "
+            f"{memory.format_bytes(floor)} plus {r.served_top_k} extents "
+            f"({memory.format_bytes(minimum)})"
+        )
+    return out
+
+
+# -- text output and CLI ----------------------------------------------------------------------
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else memory.format_bytes(n)
+
+
+def _row(label: str, c: Count, total: Count | None = None) -> str:
+    share = f" ({100 * c.params / total.params:4.1f}%)" if total and total.params else ""
+    return f"  {label:<22}{c.params:>17,}{share:<9}{c.bytes:>17,}  {_gib(c.bytes)}"
+
+
+def format_report(r: Report) -> str:
+    lines = [
+        f"{r.path}: {r.format} checkpoint, model_type {r.family}, {r.tensors} tensors in "
+        f"{r.files} files (headers only)",
+        f"  hidden {r.hidden}, {r.moe_layers} MoE layers x {r.experts_per_layer} experts, "
+        f"native K={r.native_top_k}, served K={r.served_top_k}",
+        "",
+        f"  {'':<22}{'parameters':>17}{'':<9}{'bytes as stored':>17}",
+        _row("total", r.total),
+        _row("routed experts", r.routed_experts, r.total),
+        _row("resident floor", r.resident_total, r.total),
+    ]
+    lines += [_row("  " + k.replace("_", " "), c) for k, c in r.resident.items() if c.tensors]
+    for kind, c in r.adapters.items():
+        lines.append(_row(f"adapters: {kind}", c))
+    if r.unused.tensors:
+        lines.append(_row("not served (vision/MTP)", r.unused))
+    pe = r.per_expert
+    lines += [
+        "",
+        f"  active per token: {r.active['native']['params']:,} at native K={r.native_top_k}, "
+        f"{r.active['served']['params']:,} at served K={r.served_top_k}",
+        f"  one expert: {pe['params']:,} params (width {pe['width']}), "
+        f"{pe['stored_bytes']:,} bytes as stored, edge0 extent "
+        + (f"{pe['extent_bytes']:,} bytes" if pe["extent_bytes"] else "n/a (not int4-shaped)"),
+        f"  as stored: floor {_gib(r.stored_floor['resident_bytes'])}, with adapters "
+        f"{_gib(r.stored_floor['with_adapters_bytes'])}, + one decode step at K="
+        f"{r.served_top_k} ({r.served_top_k * r.moe_layers} experts) "
+        f"{_gib(r.stored_floor['plus_one_decode_step_bytes'])}",
+    ]
+    m = r.memory
+    if m:
+        lines += [
+            "",
+            f"  edge0 at {m['dtype']}, {m['max_context']} tokens of context:",
+            f"    floor {_gib(m['floor_bytes'])} = resident weights "
+            f"{_gib(m['resident_weights_bytes'])} + adapters {_gib(m['adapter_bytes'])} + "
+            f"state {_gib(m['state_bytes'])} ({m['state_source']})",
+            f"    experts on disk {_gib(m['experts_on_disk_bytes'])}; pool at least "
+            f"{_gib(m['min_pool_bytes'])}, one decode step {_gib(m['decode_step_pool_bytes'])}",
+        ]
+        if m["memory_budget"] is not None:
+            lines.append(
+                f"    --memory-budget {_gib(m['memory_budget'])}: pool "
+                f"{_gib(m.get('pool_bytes'))}, predicted peak {_gib(m['predicted_peak_bytes'])}"
+            )
+        else:
+            lines.append(f"    predicted peak {_gib(m['predicted_peak_bytes'])} ({m['note']})")
+        if m.get("note") and m["memory_budget"] is not None:
+            lines.append(f"    does not fit: {m['note']}")
+    return "\n".join(lines)
+
+
+def add_inspect_parser(sub) -> None:
+    """Register `edge0 inspect DIR` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "inspect",
+        help="count parameters, bytes and memory of a HF, MLX or edge0 directory (headers only)",
+    )
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--top-k", type=int, default=None, help="served experts per token")
+    p.add_argument(
+        "--memory-budget",
+        type=memory.parse_size,
+        default=None,
+        help="predict edge0's peak memory under this budget, e.g. 3G",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype of resident weights (the engine's default: float32)",
+    )
+    p.add_argument("--max-context", type=int, default=4096, help="tokens of KV/state to budget")
+    p.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    report = inspect_dir(
+        args.model_dir,
+        top_k=args.top_k,
+        memory_budget=args.memory_budget,
+        dtype=getattr(torch, args.dtype),
+        max_context=args.max_context,
+    )
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0

@@ -1,0 +1,224 @@
+"""DeepSeek-V3 (`model_type: deepseek_v3`): multi-head latent attention (MLA) and sigmoid-group
+routed experts plus shared experts; the first `first_k_dense_replace` layers are dense.
+
+MLA caches per token only the normalised KV latent [r] and the shared rope key [dr], not full
+keys and values. Attention runs in the latent space: the key up-projection is folded into the
+query and the value up-projection is applied after attention, so decode never expands the
+cache (which is why `kv_b_proj` is read as a matrix and is not a LoRA target).
+Shape legend: B batch, T new tokens, S cached + new tokens, D hidden, H heads, r kv_lora_rank,
+dn / dr / dv nope, rope and value head dims, E experts, K active experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge0.models import qwen3_moe
+from edge0.models.base import Forward, config_from_dict
+from edge0.models.layers import MLP, KVCache, RMSNorm, apply_rotary, attend
+from edge0.routing import sigmoid_group
+
+ALIASES = {
+    "n_routed_experts": "num_experts",
+    "num_local_experts": "num_experts",
+    "num_mtp_layers": "num_nextn_predict_layers",
+}
+
+
+@dataclass
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_experts: int
+    num_experts_per_tok: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    num_key_value_heads: int | None = None
+    n_shared_experts: int | None = 1
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 0
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers after the decoder
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    model_type: str = "deepseek_v3"
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.qk_rope_head_dim  # what the rotary embedding spans
+        e, g = self.num_experts, self.n_group
+        if e % g or e // g < 2:
+            raise ValueError(f"n_group {g} must split {e} experts into groups of at least 2")
+        if not 1 <= self.topk_group <= g:
+            raise ValueError(f"topk_group {self.topk_group} must be between 1 and n_group {g}")
+        self.check_top_k(self.num_experts_per_tok)
+
+    def check_top_k(self, k: int) -> None:
+        eligible = self.topk_group * self.num_experts // self.n_group
+        if not 1 <= k <= eligible:
+            raise ValueError(
+                f"top-k {k} must be between 1 and {eligible} (the experts of topk_group "
+                f"{self.topk_group} groups)"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Config:
+        return config_from_dict(cls, raw, aliases=ALIASES)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i >= self.first_k_dense_replace
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rotary pairs stored as (x0, x1), (x2, x3)... -> halves [x0 x2 ..., x1 x3 ...]. Queries
+    and keys get the same permutation, so their dot products are unchanged."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention; its cache: (latent [B, 1, S, r], rope key [B, 1, S, dr])."""
+
+    def __init__(self, cfg: Config, layer: int):
+        super().__init__()
+        self.layer, self.interleave = layer, cfg.rope_interleave
+        self.h, self.r = cfg.num_attention_heads, cfg.kv_lora_rank
+        self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        d, bias, q_out = cfg.hidden_size, cfg.attention_bias, self.h * (self.dn + self.dr)
+        self.q_lora = cfg.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = nn.Linear(d, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.r + self.dr, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
+        self.kv_b_proj = nn.Linear(self.r, self.h * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(self.h * self.dv, d, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope, cache: KVCache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        return self.o_proj(self.heads(x, rope, cache).reshape(b, t, self.h * self.dv))
+
+    def heads(self, x: torch.Tensor, rope, cache: KVCache | None) -> torch.Tensor:
+        """Attention output per head [B, T, H, dv], before the output projection."""
+        b, t, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_nope, q_rope = q.view(b, t, self.h, -1).transpose(1, 2).split([self.dn, self.dr], -1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+        latent, k_rope = self.kv_a_layernorm(latent)[:, None], k_rope[:, None]  # [B, 1, T, *]
+        if self.interleave:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        q_rope, k_rope = apply_rotary(q_rope, *rope), apply_rotary(k_rope, *rope)
+        if cache is not None:
+            latent, k_rope = cache.update(self.layer, latent, k_rope)
+        w_uk, w_uv = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.r).split(
+            [self.dn, self.dv], dim=1
+        )  # [H, dn, r], [H, dv, r]
+        q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)  # the key up-projection, folded
+        q = torch.cat([q_lat, q_rope], dim=-1)  # [B, H, T, r + dr]
+        k = torch.cat([latent, k_rope], dim=-1)  # [B, 1, S, r + dr], shared by all heads
+        out = attend(q, k, latent, (self.dn + self.dr) ** -0.5).view(b, t, self.h, self.r)
+        return torch.einsum("bthr,hvr->bthv", out, w_uv)  # the value up-projection
+
+
+class Router(nn.Module):
+    """The gate: fp32 logits, and the per-expert bias that steers selection only."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self.e_score_correction_bias
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h.float(), self.weight.float())
+
+
+class MoE(qwen3_moe.SparseMoeBlock):
+    """Sigmoid-group routed experts plus resident shared experts."""
+
+    def __init__(self, cfg: Config, layer: int, experts: nn.Module, router=Router):
+        nn.Module.__init__(self)
+        self.layer, self.top_k, self.cfg = layer, cfg.num_experts_per_tok, cfg
+        self.gate = router(cfg.hidden_size, cfg.num_experts)
+        self.experts = experts
+        self.shared = bool(cfg.n_shared_experts)
+        if self.shared:
+            inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+            self.shared_experts = MLP(cfg.hidden_size, inter)
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        return sigmoid_group(
+            logits,
+            self.gate.bias,
+            self.top_k,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
+
+    def forward(self, x: torch.Tensor, fwd: Forward) -> torch.Tensor:
+        b, t, d = x.shape
+        h = x.reshape(b * t, d)
+        weights, indices = self.route(h, fwd)
+        y = (self.experts(h, indices) * weights[..., None].to(h.dtype)).sum(dim=1)  # [T, D]
+        if self.shared:
+            y = y + self.shared_experts(h)
+        return y.view(b, t, d)
+
+
+class Model(qwen3_moe.Model):
+    @staticmethod
+    def make_layer(cfg: Config, i: int, experts: Callable[[int], nn.Module]) -> nn.Module:
+        mlp = (
+            MoE(cfg, i, experts(i))
+            if cfg.is_moe_layer(i)
+            else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
+        return qwen3_moe.DecoderLayer(cfg, MLA(cfg, i), mlp)
+
+    def set_top_k(self, k: int) -> None:
+        self.config.check_top_k(k)
+        super().set_top_k(k)
+
+    def cache_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        cfg = self.config
+        per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype.itemsize
+        return cfg.num_hidden_layers * tokens * per_token
+
+
+def ignore_key(cfg: Config, key: str) -> bool:
+    """Multi-token-prediction layers, stored as decoder layers past the last one."""
+    extra = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    return any(key.startswith(f"model.layers.{i}.") for i in extra)
+
+
+EXPERT_PREFIX = qwen3_moe.EXPERT_PREFIX
+EXPERT_PROJ = qwen3_moe.EXPERT_PROJ
+KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # as transformers does
+LORA_TARGETS = tuple(
+    f"self_attn.{p}" for p in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+) + tuple(f"mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
