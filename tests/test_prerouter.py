@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-
 from edge0.convert import convert
 from edge0.engine import Engine, EngineOptions
 from edge0.loader import load_edge0_model

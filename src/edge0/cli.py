@@ -22,6 +22,24 @@ log = logging.getLogger("edge0")
 USER_ERRORS = (FileNotFoundError, NotADirectoryError, FileExistsError, ValueError, KeyError)
 
 
+def default_model_dir() -> Path:
+    from edge0 import builtin
+
+    return builtin.model_dir()
+
+
+def default_teacher_dir(model_dir: Path) -> Path:
+    """The built-in teacher for the built-in model, else the convert source if still present."""
+    from edge0 import builtin, modeldir
+
+    if model_dir.resolve() == builtin.ROOT.joinpath("model").resolve():
+        return builtin.teacher_dir()
+    src = Path(modeldir.Manifest.load(model_dir).source.get("path", ""))
+    if src.is_dir() and (src / "config.json").is_file():
+        return src
+    raise ValueError(f"{model_dir}: no teacher known; pass --teacher HF_DIR")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument(
@@ -67,6 +85,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="route every layer by its own router (the exact path)",
     )
+    g.add_argument(
+        "--lora",
+        type=Path,
+        default=None,
+        help="recovery LoRA (default: MODEL_DIR/lora.safetensors if present)",
+    )
+    g.add_argument("--no-lora", action="store_true", help="serve without the LoRA")
+    g.add_argument(
+        "--lora-any-base",
+        action="store_true",
+        help="load a LoRA trained for another base (its base_hash differs)",
+    )
 
 
 def engine_options(args: argparse.Namespace):
@@ -83,6 +113,9 @@ def engine_options(args: argparse.Namespace):
         dtype=getattr(torch, args.dtype),
         prerouter=args.prerouter,
         no_prerouter=args.no_prerouter,
+        lora=args.lora,
+        no_lora=args.no_lora,
+        lora_any_base=args.lora_any_base,
     )
 
 
@@ -112,7 +145,10 @@ def sampling_params(args: argparse.Namespace):
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from edge0.convert import convert
+    if args.from_mlx:
+        from edge0.mlx_import import import_mlx as convert
+    else:
+        from edge0.convert import convert
 
     report = convert(args.hf_dir, args.out_dir, force=args.force, progress=not args.quiet)
     print(
@@ -241,7 +277,10 @@ def cmd_train_teacher(args: argparse.Namespace) -> int:
         top_k=args.native_top_k,
         expert_width=args.expert_width,
         vocab=args.vocab,
+        save_every=args.save_every,
+        data=tuple(args.data),
     )
+
     summary = train_teacher(args.out_dir, cfg, progress=not args.quiet)
     print(
         f"teacher in {args.out_dir}: {summary['steps']} steps, "
@@ -276,6 +315,71 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_sft(args: argparse.Namespace) -> int:
+    from edge0.train.sft import SFTConfig, train_sft
+
+    cfg = SFTConfig(
+        top_k=args.top_k,
+        rank=args.rank,
+        alpha=args.alpha,
+        samples=args.samples,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    out = args.out or args.model_dir / "lora-phase2.safetensors"
+    r = train_sft(
+        args.model_dir,
+        args.teacher,
+        args.data,
+        out,
+        cfg,
+        heads=args.prerouter,
+        progress=not args.quiet,
+    )
+    print(
+        f"wrote {out}: {r['steps']} steps on {r['samples']} teacher samples, "
+        f"final loss {r['final_loss']:.4f}; log in {out}.run/log.json"
+    )
+    return 0
+
+
+def cmd_train_opd(args: argparse.Namespace) -> int:
+    from edge0 import modeldir
+    from edge0.train.opd import OPDConfig, train_opd
+
+    cfg = OPDConfig(
+        top_k=args.top_k,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        batch=args.batch,
+        steps=args.steps,
+        lr=args.lr,
+        teacher_topk=args.teacher_topk,
+        seed=args.seed,
+    )
+    init = args.init or args.model_dir / "lora-phase2.safetensors"
+    out = args.out or args.model_dir / modeldir.LORA_FILE
+    r = train_opd(
+        args.model_dir,
+        args.teacher,
+        args.data,
+        init,
+        out,
+        cfg,
+        heads=args.prerouter,
+        progress=not args.quiet,
+    )
+    print(
+        f"wrote {out}: {r['steps']} on-policy steps, final loss {r['final_loss']:.5f}; "
+        f"log in {out}.run/log.json"
+    )
+    return 0
+
+
 def add_train_parsers(sub) -> None:
 
     t = sub.add_parser("train", help="train a teacher, prerouter heads, or the recovery LoRA")
@@ -293,6 +397,14 @@ def add_train_parsers(sub) -> None:
     te.add_argument("--expert-width", type=int, default=128)
     te.add_argument("--vocab", type=int, default=8192)
     te.add_argument("--seed", type=int, default=0)
+    te.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
+    te.add_argument(
+        "--data",
+        nargs="+",
+        default=["stdlib"],
+        help="text files or directories, or 'stdlib' (default)",
+    )
+
     te.add_argument("--quiet", action="store_true")
     te.set_defaults(func=cmd_train_teacher)
 
@@ -321,6 +433,113 @@ def add_train_parsers(sub) -> None:
     he.add_argument("--quiet", action="store_true")
     he.set_defaults(func=cmd_train_heads)
 
+    for name, fn, help_ in (
+        ("sft", cmd_train_sft, "phase 2: LoRA SFT on teacher samples"),
+        ("opd", cmd_train_opd, "phase 3: on-policy reverse-KL distillation"),
+    ):
+        p = tsub.add_parser(name, help=help_)
+        p.add_argument("model_dir", type=Path)
+        p.add_argument("--teacher", type=Path, required=True, help="full-precision HF teacher")
+        p.add_argument(
+            "--data",
+            nargs="+",
+            default=["stdlib"],
+            help="text files or directories, or 'stdlib' (default)",
+        )
+        p.add_argument("--out", type=Path, default=None)
+        p.add_argument(
+            "--prerouter",
+            type=Path,
+            default=None,
+            help="heads (default MODEL_DIR/prerouter.safetensors)",
+        )
+        p.add_argument("--top-k", type=int, default=None, help="served K (default native)")
+        p.add_argument("--prompt-len", type=int, default=32)
+        p.add_argument("--batch", type=int, default=8)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--quiet", action="store_true")
+        p.set_defaults(func=fn)
+        if name == "sft":
+            p.add_argument("--rank", type=int, default=16)
+            p.add_argument("--alpha", type=float, default=32.0)
+            p.add_argument("--samples", type=int, default=512, help="teacher continuations")
+            p.add_argument("--gen-len", type=int, default=96)
+            p.add_argument("--steps", type=int, default=300)
+            p.add_argument("--lr", type=float, default=1e-3)
+        else:
+            p.add_argument(
+                "--init",
+                type=Path,
+                default=None,
+                help="phase-2 LoRA (default MODEL_DIR/lora-phase2.safetensors)",
+            )
+            p.add_argument("--gen-len", type=int, default=64)
+            p.add_argument("--steps", type=int, default=100)
+            p.add_argument("--lr", type=float, default=3e-4)
+            p.add_argument("--teacher-topk", type=int, default=16)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from edge0 import evaluate
+
+    target = list(args.target)
+    if target and target[0] == "lora-retention":
+        model_dir = Path(target[1]) if len(target) > 1 else None
+        model_dir = model_dir or default_model_dir()
+        from edge0.tokenizer import load_tokenizer
+
+        ids = load_tokenizer(model_dir).encode(args.prompt)
+        lora_path = args.lora or model_dir / "lora.safetensors"
+        r = evaluate.lora_retention(
+            model_dir, lora_path, ids, top_k=args.top_k, heads=args.prerouter
+        )
+        print(evaluate.retention_table(r))
+        if args.json:
+            evaluate.dump(r, args.json)
+        return 0
+    model_dir = Path(target[0]) if target else default_model_dir()
+    teacher = args.teacher or default_teacher_dir(model_dir)
+    cfg = evaluate.EvalConfig(
+        teacher=teacher,
+        data=tuple(args.data),
+        top_k=args.top_k,
+        windows=args.windows,
+        seq_len=args.seq_len,
+        prerouter=args.prerouter,
+        lora_sft=args.lora_sft,
+        lora_opd=args.lora,
+    )
+    result = evaluate.evaluate(model_dir, cfg, progress=not args.quiet)
+    print(evaluate.table(result))
+    if args.json:
+        evaluate.dump(result, args.json)
+    return 0
+
+
+def add_eval_parser(sub) -> None:
+    e = sub.add_parser(
+        "eval",
+        help="quality of every approximation against the teacher; "
+        "`eval lora-retention` prices merging the LoRA",
+    )
+    e.add_argument("target", nargs="*", help="[MODEL_DIR] or lora-retention [MODEL_DIR]")
+    e.add_argument("--teacher", type=Path, default=None)
+    e.add_argument("--data", nargs="+", default=["stdlib"])
+    e.add_argument("--top-k", type=int, default=None, help="served K")
+    e.add_argument("--windows", type=int, default=32)
+    e.add_argument("--seq-len", type=int, default=256)
+    e.add_argument("--prerouter", type=Path, default=None)
+    e.add_argument("--lora-sft", type=Path, default=None, help="phase-2 LoRA")
+    e.add_argument("--lora", type=Path, default=None, help="phase-3 (served) LoRA")
+    e.add_argument(
+        "--prompt",
+        default="def main(argv):\n",
+        help="lora-retention: the prompt whose first-token logits are compared",
+    )
+    e.add_argument("--json", type=Path, default=None)
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
 
 def build_parser() -> argparse.ArgumentParser:
 
@@ -336,6 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir", type=Path)
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.add_argument(
+        "--from-mlx",
+        action="store_true",
+        help="HF_DIR is an MLX affine int4 checkpoint: experts are repacked, not re-quantized",
+    )
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -348,6 +572,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     add_train_parsers(sub)
+    add_eval_parser(sub)
+    from edge0.inspect import add_inspect_parser
+
+    add_inspect_parser(sub)
 
     s = sub.add_parser("synth", help="write a random-weight Qwen3-MoE of a given shape")
 

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
-from edge0 import memory, modeldir
+from edge0 import lora, memory, modeldir
 from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
-from edge0.models.layers import KVCache
 from edge0.prerouter.head import Prerouter
 from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.sampling import Sampler, SamplingParams
@@ -52,6 +51,9 @@ class EngineOptions:
     read_delay_s: float = 0.0  # extra latency per read (tests of overlap)
     prerouter: Path | None = None  # heads file (default: MODEL_DIR/prerouter.safetensors if any)
     no_prerouter: bool = False  # gate-route every layer: the exact path, no heads, no slots
+    lora: Path | None = None  # adapter file (default: MODEL_DIR/lora.safetensors if any)
+    no_lora: bool = False  # serve the base projections only
+    lora_any_base: bool = False  # load an adapter whose base_hash differs from this model's
 
 
 @dataclass
@@ -115,6 +117,17 @@ class Engine:
         self.eos = eos_ids(self.path, self.tokenizer)
         self.moe_layers = self.model.moe_layers
 
+        self.lora_meta: dict[str, str] = {}
+        lora_path = opts.lora or self.path / modeldir.LORA_FILE
+        if not opts.no_lora and (opts.lora is not None or lora_path.exists()):
+            self.lora_meta = lora.load(
+                self.model,
+                lora_path,
+                base_hash=modeldir.base_hash(self.path),
+                allow_other_base=opts.lora_any_base,
+            )
+            self.model.to(opts.dtype)
+
         heads, self.prerouter_meta = None, {}
         heads_path = opts.prerouter or self.path / modeldir.PREROUTER_FILE
         if not opts.no_prerouter and (opts.prerouter is not None or heads_path.exists()):
@@ -128,14 +141,7 @@ class Engine:
                 )
 
         layout = self.manifest.layout()
-        kv_bytes = (
-            2
-            * cfg.num_hidden_layers
-            * cfg.num_key_value_heads
-            * cfg.head_dim
-            * opts.max_context
-            * opts.dtype.itemsize
-        )
+        kv_bytes = self.model.cache_bytes(opts.max_context, opts.dtype)
         self.floor_bytes = param_bytes(self.model) + kv_bytes + (param_bytes(heads) if heads else 0)
         self.pool = ExpertPool(
             ExpertFile(self.path / EXPERTS_FILE, opts.io_mode),
@@ -156,7 +162,7 @@ class Engine:
                 else self._exact[i]
                 for i in self.moe_layers
             }
-        self.cache = KVCache(cfg.num_hidden_layers)
+        self.cache = self.model.new_cache()
 
     def _pool_bytes(self, extent: int) -> int:
         opts, cfg = self.options, self.config
@@ -187,7 +193,7 @@ class Engine:
     def reset(self) -> None:
         """Forget the current request: KV cache, head features, staged pins. The expert
         cache is kept."""
-        self.cache = KVCache(self.config.num_hidden_layers)
+        self.cache = self.model.new_cache()
         if self.prerouter is not None:
             self.prerouter.reset()
 

@@ -9,6 +9,7 @@ prerouter.safetensors, lora.safetensors       optional trained adapters
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -104,3 +105,11 @@ class Manifest:
 
     def save(self, path: Path) -> None:
         (path / MANIFEST).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def base_hash(path: Path | str) -> str:
+    """Identifies the base weights an adapter was trained on: a hash over the SHA-256s that
+    edge0.json records for the resident and expert files."""
+    files = Manifest.load(path).files
+    base = {k: v for k, v in files.items() if k in (RESIDENT_FILE, "experts.safetensors")}
+    return hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()

@@ -10,7 +10,10 @@ the experts staged for it.
 
 First decode token: the heads run on the last prompt position at the end of prefill, so every
 generated token, the first included, is prediction-routed, as in training.
-Shape legend: H heads, D hidden, E experts, K active experts.
+
+The same object drives batched student generation in training (`rows` sequences decoding in
+lockstep, no pool): features and predictions are then kept per row.
+Shape legend: H heads, R rows, D hidden, E experts, K active experts.
 """
 
 from __future__ import annotations
@@ -56,9 +59,11 @@ class PrerouterRuntime:
         self._h: dict[int, torch.Tensor] = {}
         self._executed: dict[int, torch.Tensor] = {}
         self._previous: dict[int, torch.Tensor] = {}
+        self.rows = 1
 
-    def reset(self) -> None:
+    def reset(self, rows: int = 1) -> None:
         """Forget the request: features, predictions, and the pins of staged experts."""
+        self.rows = rows
         for entries in self.staged.values():
             self.pool.release(entries)
         self.staged.clear()
@@ -70,16 +75,17 @@ class PrerouterRuntime:
     def observe(
         self, layer: int, h: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor
     ) -> None:
-        """Forward observer: keep owner features of the last position."""
+        """Forward observer: keep owner features of each row's last position."""
         if layer not in self._row:
             return
-        e = self.num_experts
-        if indices.shape[0] > 1:
-            self._previous[layer] = topk_onehot(indices[-2], e)
+        e, rows = self.num_experts, self.rows
+        idx = indices.view(rows, -1, indices.shape[-1])  # [R, T, K]
+        if idx.shape[1] > 1:
+            self._previous[layer] = topk_onehot(idx[:, -2], e)
         else:
-            self._previous[layer] = self._executed.get(layer, torch.zeros(e))
-        self._executed[layer] = topk_onehot(indices[-1], e)
-        self._h[layer] = h[-1].detach()
+            self._previous[layer] = self._executed.get(layer, torch.zeros(rows, e))
+        self._executed[layer] = topk_onehot(idx[:, -1], e)
+        self._h[layer] = h.view(rows, -1, h.shape[-1])[:, -1].detach()
 
     def take(self, consumer: int) -> list[Entry]:
         return self.staged.pop(consumer, [])
@@ -90,18 +96,22 @@ class PrerouterRuntime:
         t0 = time.perf_counter_ns()
         x = torch.stack(
             [features(self._h[o], self._executed[o], self._previous[o]) for o in self.owners]
-        )[:, None]  # [H, 1, D + 2E]
-        logits = self.heads(x)[:, 0]  # [H, E]
-        chosen = {}
+        )  # [H, R, D + 2E]
+        logits = self.heads(x)  # [H, R, E]
         for c in self.consumers:
-            lg = logits[self._row[self.wiring.owner_of[c]]][None]  # [1, E]
-            self.predicted[c] = lg
-            chosen[c] = sorted(self.blocks[c].select(lg)[1][0].tolist())
+            self.predicted[c] = logits[self._row[self.wiring.owner_of[c]]]  # [R, E]
+        if self.pool is None:  # training: predictions only, no staging
+            self.stats.head_ns += time.perf_counter_ns() - t0
+            self.stats.flushes += 1
+            return
+        chosen = {
+            c: sorted(self.blocks[c].select(self.predicted[c])[1][0].tolist())
+            for c in self.consumers
+        }
         self.stats.head_ns += time.perf_counter_ns() - t0
         self.stats.flushes += 1
-        if self.pool is None:
-            return
-        for c in self.consumers:  # in layer order: the earliest consumers need their bytes first
+        for c in self.consumers:
+            # in layer order: the earliest consumers need their bytes first
             if self.pool.available() < len(chosen[c]):
                 self.stats.unstaged += 1
                 continue

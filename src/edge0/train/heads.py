@@ -51,15 +51,6 @@ class HeadsConfig:
     seed: int = 0
 
 
-def model_hash(model_dir: Path) -> str:
-    """Identifies the base weights: a hash over edge0.json's recorded file hashes."""
-    manifest = modeldir.Manifest.load(model_dir)
-    base = {
-        k: v for k, v in manifest.files.items() if k in ("model.safetensors", "experts.safetensors")
-    }
-    return hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()
-
-
 @torch.no_grad()
 def collect(model, windows: torch.Tensor, wiring: Wiring, num_experts: int, progress: bool):
     """Head inputs per owner [N, D+2E] (fp16) and consumer router logits per consumer [N, E]."""
@@ -197,7 +188,7 @@ def train_heads(
     trained = evaluate(pre, he_f, he_t, k)
     meta = {
         "model": model_dir.name,
-        "base_hash": model_hash(model_dir),
+        "base_hash": modeldir.base_hash(model_dir),
         "K": str(k),
         "data_hash": data_state["data_hash"],
         "phase": "1",

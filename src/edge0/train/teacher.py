@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from edge0 import corpus, loader
+from edge0 import loader
 from edge0.models import qwen3_moe
 from edge0.models.base import Forward
 from edge0.store.writer import StreamingSafetensors
@@ -27,6 +27,7 @@ from edge0.streaming.experts import ResidentExperts
 from edge0.tokenizer import load_tokenizer
 from edge0.tokenizer_train import train_bpe
 from edge0.train import common
+from edge0.train.data import load_texts
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class TeacherConfig:
     save_every: int = 100
     eval_windows: int = 64
     seed: int = 0
+    data: tuple[str, ...] = ("stdlib",)
 
     def hf_config(self) -> dict:
         return {
@@ -138,25 +140,25 @@ def perplexity(model, windows: torch.Tensor, batch: int = 8) -> float:
     return float(torch.exp(torch.tensor(total / n)))
 
 
-def corpus_streams(out: Path, vocab: int):
-    """(tokenizer, train stream, held-out stream), training the tokenizer on first use."""
-    train_docs = list(corpus.documents("train"))
+def corpus_streams(out: Path, vocab: int, data: list[str]):
+    """(tokenizer, {"train", "heldout" token streams and their hashes}); trains the
+    tokenizer on the training text on first use."""
+    train_docs, train_hash = load_texts(data, "train")
     if not (out / "tokenizer.json").exists():
-        train_bpe((d.text for d in train_docs), vocab, out)
+        train_bpe(train_docs, vocab, out)
     tok = load_tokenizer(out)
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     cache = out / "run" / "tokens.pt"
     if cache.exists():
-        streams = torch.load(cache)
-    else:
-        heldout = list(corpus.documents("heldout"))
-        streams = {
-            "train": common.tokenize((d.text for d in train_docs), tok, eos),
-            "heldout": common.tokenize((d.text for d in heldout), tok, eos),
-            "train_hash": corpus.corpus_hash(train_docs),
-            "heldout_hash": corpus.corpus_hash(heldout),
-        }
-        torch.save(streams, cache)
+        return tok, torch.load(cache)
+    held_docs, held_hash = load_texts(data, "heldout")
+    streams = {
+        "train": common.tokenize(train_docs, tok, eos),
+        "heldout": common.tokenize(held_docs, tok, eos),
+        "train_hash": train_hash,
+        "heldout_hash": held_hash,
+    }
+    torch.save(streams, cache)
     return tok, streams
 
 
@@ -164,7 +166,7 @@ def train_teacher(out: Path, cfg: TeacherConfig, progress: bool = True) -> dict:
     out = Path(out)
     (out / "run").mkdir(parents=True, exist_ok=True)
     gen = common.seed_everything(cfg.seed)
-    tok, streams = corpus_streams(out, cfg.vocab)
+    tok, streams = corpus_streams(out, cfg.vocab, list(cfg.data))
     if len(tok) > cfg.vocab:
         raise ValueError(f"tokenizer has {len(tok)} tokens, more than --vocab {cfg.vocab}")
     model = build_model(cfg)

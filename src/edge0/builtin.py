@@ -1,0 +1,30 @@
+"""The model that ships inside the package, so edge0 runs with no download.
+
+`edge0/builtin/model` is an edge0 directory (int4 experts, prerouter heads, recovery LoRA);
+`edge0/builtin/teacher` is the full-precision (bf16) Hugging Face model it was made from.
+Both are built from scratch by `make builtin-model` (scripts/build_builtin.sh); see
+docs/builtin-model.md for what they are and how well they do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).parent / "builtin"
+
+
+def model_dir() -> Path:
+    path = ROOT / "model"
+    if not (path / "edge0.json").is_file():
+        raise FileNotFoundError(
+            f"no MODEL_DIR given and the built-in model is missing from {path}; "
+            "pass a model directory or rebuild it with `make builtin-model`"
+        )
+    return path
+
+
+def teacher_dir() -> Path:
+    path = ROOT / "teacher"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the built-in teacher is missing from {path}")
+    return path

@@ -1,0 +1,232 @@
+"""`edge0 eval`: price every approximation on held-out text, one arm at a time.
+
+Arms (each adds one thing to the one above it):
+  teacher              full precision, native K, gate routing
+  int4 native K        the dequantized int4 experts, gate routing, native K
+  int4 served K        ... serving K experts per token
+  + prerouter          ... consumer layers routed by the heads' predictions
+  + LoRA (phase 2)     ... with the SFT adapter
+  + LoRA (phase 3)     ... with the on-policy adapter: the served model
+
+Metrics per token over fixed held-out windows: perplexity, top-1 agreement with the teacher,
+and mean KL(teacher || arm). Prediction routing starts at position 1 of each window (position
+0 has no previous token), i.e. the window is scored as if the model had generated it.
+Int4 arms run the dequantized weights in fp32 (the engine's int4 kernel additionally rounds
+activations to bf16: relative L2 ~4e-3 per expert output, docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from edge0 import lora, modeldir
+from edge0.tokenizer import load_tokenizer
+from edge0.train import common
+from edge0.train.data import load_texts
+from edge0.train.student import load_student, load_teacher
+
+
+@dataclass
+class EvalConfig:
+    teacher: Path
+    data: tuple[str, ...] = ("stdlib",)
+    top_k: int | None = None
+    windows: int = 32
+    seq_len: int = 256
+    prerouter: Path | None = None
+    lora_sft: Path | None = None
+    lora_opd: Path | None = None
+
+
+def default_paths(model_dir: Path, cfg: EvalConfig) -> EvalConfig:
+    """Fill in the adapter files that sit in the model directory."""
+    cfg.prerouter = cfg.prerouter or _if_exists(model_dir / modeldir.PREROUTER_FILE)
+    cfg.lora_sft = cfg.lora_sft or _if_exists(model_dir / "lora-phase2.safetensors")
+    cfg.lora_opd = cfg.lora_opd or _if_exists(model_dir / modeldir.LORA_FILE)
+    return cfg
+
+
+def _if_exists(p: Path) -> Path | None:
+    return p if p.exists() else None
+
+
+def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
+    """(label, callable tokens -> logits) for every arm the files allow."""
+    teacher = load_teacher(cfg.teacher)
+    native = load_student(model_dir, heads=False)
+    out = [
+        ("teacher (full precision, native K)", lambda t: teacher(t)),
+        (f"int4, native routing, native K={native.top_k}", lambda t: native.forward(t, 1)),
+    ]
+    served_k = cfg.top_k or native.top_k
+    if served_k != native.top_k:
+        served = load_student(model_dir, top_k=served_k, heads=False)
+        out.append((f"int4, native routing, served K={served_k}", lambda t: served.forward(t, 1)))
+    if cfg.prerouter is not None:
+        pre = load_student(model_dir, top_k=served_k, heads=cfg.prerouter)
+        out.append((f"+ prerouter routing (K={served_k})", lambda t: pre.forward(t, 1)))
+        for label, path in (("+ LoRA after phase 2", cfg.lora_sft), ("+ phase 3", cfg.lora_opd)):
+            if path is not None:
+                s = load_student(model_dir, top_k=served_k, heads=cfg.prerouter, lora_file=path)
+                out.append((label, (lambda st: lambda t: st.forward(t, 1))(s)))
+    return out
+
+
+@torch.no_grad()
+def evaluate(model_dir: Path, cfg: EvalConfig, progress: bool = True) -> dict:
+    model_dir = Path(model_dir)
+    cfg = default_paths(model_dir, cfg)
+    tok = load_tokenizer(model_dir)
+    docs, data_hash = load_texts(list(cfg.data), "heldout")
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    windows = common.fixed_windows(common.tokenize(docs, tok, eos), cfg.windows, cfg.seq_len)
+    models = arms(model_dir, cfg)
+    sums = {label: {"nll": 0.0, "agree": 0, "kl": 0.0} for label, _ in models}
+    n = 0
+    for w in tqdm(windows, desc="eval", unit="window", disable=not progress):
+        x, y = w[None, :-1], w[None, 1:]
+        ref = None
+        for label, fn in models:
+            logp = F.log_softmax(fn(x).float(), dim=-1)[0]  # [T, V]
+            if ref is None:
+                ref = logp
+            s = sums[label]
+            s["nll"] -= logp.gather(-1, y[0][:, None]).sum().item()
+            s["agree"] += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
+            s["kl"] += (ref.exp() * (ref - logp)).sum().item()
+        n += y.numel()
+    rows = []
+    teacher_ppl = math.exp(sums[models[0][0]]["nll"] / n)
+    for label, _ in models:
+        s = sums[label]
+        ppl = math.exp(s["nll"] / n)
+        rows.append(
+            {
+                "arm": label,
+                "perplexity": ppl,
+                "ppl_vs_teacher": ppl / teacher_ppl - 1,
+                "top1_agreement": s["agree"] / n,
+                "kl_teacher_arm": s["kl"] / n,
+            }
+        )
+    return {
+        "model": str(model_dir),
+        "teacher": str(cfg.teacher),
+        "tokens": n,
+        "windows": len(windows),
+        "seq_len": cfg.seq_len,
+        "data_hash": data_hash,
+        "arms": rows,
+        "files": {
+            "prerouter": str(cfg.prerouter),
+            "lora_phase2": str(cfg.lora_sft),
+            "lora_phase3": str(cfg.lora_opd),
+        },
+    }
+
+
+def table(result: dict) -> str:
+    lines = [
+        "| arm | held-out ppl | vs teacher | top-1 agree | KL(teacher‖arm) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["arms"]:
+        lines.append(
+            f"| {r['arm']} | {r['perplexity']:.3f} | {100 * r['ppl_vs_teacher']:+.2f}% | "
+            f"{100 * r['top1_agreement']:.2f}% | {r['kl_teacher_arm']:.4f} |"
+        )
+    lines.append(
+        f"\n{result['tokens']} held-out tokens in {result['windows']} windows of "
+        f"{result['seq_len']}"
+    )
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def lora_retention(
+    model_dir: Path,
+    lora_path: Path,
+    prompt_ids: list[int],
+    top_k: int | None = None,
+    heads: Path | None | bool = None,
+) -> dict:
+    """What survives of the adapter if it is merged into the weights instead of served beside.
+
+    For each target W: delta = (alpha/r) B A. Merging into bf16 (edge0's resident format)
+    rounds W + delta to bf16; merging as the reference did re-quantizes W + delta to int4
+    (group 64). Weight-level retention per target: sum(actual * delta) / sum(delta^2), with
+    actual = merged - base (both dequantized). Logits-level: 1 - |U - M| / |U - B| on the
+    first-token logits of `prompt_ids` (U unmerged, M merged, B no adapter).
+    """
+    from edge0 import quant
+
+    student = load_student(model_dir, top_k=top_k, heads=heads, lora_file=lora_path)
+    model = student.model
+    x = torch.tensor([prompt_ids])
+    first = len(prompt_ids)  # the whole prompt is gate-routed, like a prefill
+
+    def first_logits():
+        return student.forward(x, first)[0, -1].float()
+
+    loras = lora.adapters(model)
+    saved = {name: m.base.weight.data.clone() for name, m in loras.items()}
+    results = {}
+    for scheme in ("bf16", "int4"):
+        per_target, merged = {}, {}
+        for name, m in loras.items():
+            w, delta = saved[name].float(), m.delta_weight().float()
+            if scheme == "bf16":
+                base = w.bfloat16().float()
+                merged[name] = (base + delta).bfloat16().float()
+            else:  # as if the projection itself were served in int4, as in the reference
+                base = quant.dequantize_affine(*quant.quantize_affine(w))
+                merged[name] = quant.dequantize_affine(*quant.quantize_affine(base + delta))
+            actual = merged[name] - base
+            per_target[name] = float(
+                (actual * delta).sum() / (delta * delta).sum().clamp_min(1e-30)
+            )
+            m.base.weight.data.copy_(base)
+        lora.set_enabled(model, True)
+        u = first_logits()
+        lora.set_enabled(model, False)
+        b = first_logits()
+        for name, m in loras.items():
+            m.base.weight.data.copy_(merged[name])
+        m_logits = first_logits()
+        results[scheme] = {
+            "weight_retention_mean": sum(per_target.values()) / len(per_target),
+            "weight_retention_per_target": per_target,
+            "logits_retention": float(1 - (u - m_logits).norm() / (u - b).norm()),
+        }
+    for name, m in loras.items():
+        m.base.weight.data.copy_(saved[name])
+    lora.set_enabled(model, True)
+    return {"lora": str(lora_path), "targets": len(loras), **results}
+
+
+def retention_table(r: dict) -> str:
+    lines = [
+        "| merge into | weight-level retention (mean over targets) | logits-level retention |",
+        "|---|---|---|",
+    ]
+    for scheme, label in (
+        ("bf16", "bf16 weights (edge0's resident format)"),
+        ("int4", "int4 group-64, re-quantized (the reference's case)"),
+    ):
+        s = r[scheme]
+        lines.append(
+            f"| {label} | {100 * s['weight_retention_mean']:.1f}% | "
+            f"{100 * s['logits_retention']:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def dump(result: dict, path: Path) -> None:
+    path.write_text(json.dumps(result, indent=2) + "\n")

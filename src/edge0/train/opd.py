@@ -1,0 +1,142 @@
+"""Phase 3, `edge0 train opd`: on-policy distillation through the served path.
+
+Each step: corpus prompts; the current student (starting from the phase-2 LoRA) samples a
+continuation as the engine would serve it; the full-precision teacher scores the same
+tokens; the loss is the reverse KL on the teacher's top-k tokens plus one tail outcome that
+carries the probability mass outside them:
+
+  S = teacher top-k,   p_tail = 1 - sum_S p,   q_tail = 1 - sum_S q
+  loss = sum_{i in S} q_i log(q_i / p_i) + q_tail log(q_tail / p_tail)
+
+Reverse KL is mode-seeking: the student is not asked to cover all of the teacher's
+support, and the tail term keeps it from putting mass where the teacher puts little.
+The gradient flows through the prediction-routed student forward into the LoRA only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from edge0 import lora
+from edge0.sampling import SamplingParams
+from edge0.tokenizer import load_tokenizer
+from edge0.train import common
+from edge0.train.data import load_texts
+from edge0.train.student import load_student, load_teacher, lora_parameters, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OPDConfig:
+    top_k: int | None = None
+    prompt_len: int = 32
+    gen_len: int = 64
+    batch: int = 8
+    steps: int = 100
+    lr: float = 3e-4
+    teacher_topk: int = 16
+    temperature: float = 1.0
+    save_every: int = 10
+    seed: int = 0
+
+
+def reverse_kl_topk_tail(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int
+) -> torch.Tensor:
+    """Mean over positions of KL(q || p) on the teacher's top-k tokens plus a tail outcome."""
+    logq = torch.log_softmax(student_logits.float(), dim=-1)
+    logp = torch.log_softmax(teacher_logits.float(), dim=-1)
+    top = torch.topk(logp, k, dim=-1).indices
+    lq, lp = logq.gather(-1, top), logp.gather(-1, top)
+    q = lq.exp()
+    eps = 1e-6
+    q_tail = (1 - q.sum(-1)).clamp_min(eps)
+    p_tail = (1 - lp.exp().sum(-1)).clamp_min(eps)
+    kl = (q * (lq - lp)).sum(-1) + q_tail * (q_tail.log() - p_tail.log())
+    return kl.mean()
+
+
+def train_opd(
+    model_dir: Path,
+    teacher_dir: Path,
+    data: list[str],
+    init: Path,
+    out: Path,
+    cfg: OPDConfig,
+    heads: Path | None = None,
+    progress: bool = True,
+) -> dict:
+    model_dir, out = Path(model_dir), Path(out)
+    run = out.with_name(out.name + ".run")
+    run.mkdir(parents=True, exist_ok=True)
+    device = common.device_for()
+    gen = common.seed_everything(cfg.seed)
+    tok = load_tokenizer(model_dir)
+    docs, data_hash = load_texts(data, "train")
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    stream = common.tokenize(docs, tok, eos)
+    teacher = load_teacher(teacher_dir, device)
+    student = load_student(model_dir, top_k=cfg.top_k, heads=heads, lora_file=init, device=device)
+    params = lora_parameters(student.model)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    runlog = common.RunLog.resume(run / "log.json", common.config_dict(cfg))
+    step = 0
+    state = common.load_state(run / "state.pt")
+    if state is not None:
+        student.model.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["gen"])
+        step = state["step"]
+    runtime = student.runtime()
+    params_sampling = SamplingParams(temperature=cfg.temperature)
+    bar = tqdm(total=cfg.steps, initial=step, desc="opd", unit="step", disable=not progress)
+    t0 = time.perf_counter()
+    p = cfg.prompt_len
+    while step < cfg.steps:
+        for group in opt.param_groups:
+            group["lr"] = common.cosine_lr(
+                step, cfg.steps, cfg.lr, max(1, cfg.steps // 10), cfg.lr / 10
+            )
+        prompts = common.random_windows(stream, cfg.batch, p - 1, gen).to(device)
+        student.model.eval()
+        seqs = sample(student.model, prompts, cfg.gen_len, params_sampling, gen, runtime)
+        with torch.no_grad():
+            target = teacher(seqs)[:, p - 1 : -1]
+        student.model.train()
+        logits = student.forward(seqs, p)[:, p - 1 : -1]
+        loss = reverse_kl_topk_tail(logits, target, cfg.teacher_topk)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        runlog.add(
+            step=step, loss=round(loss.item(), 5), elapsed_s=round(time.perf_counter() - t0, 1)
+        )
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            trainable = {k: v for k, v in student.model.state_dict().items() if ".lora_" in k}
+            common.save_state(run / "state.pt", step, trainable, opt, gen)
+            runlog.save()
+    bar.close()
+    init_meta = lora.read(init).metadata
+    meta = {
+        "model": model_dir.name,
+        "base_hash": student.base_hash,
+        "phase": "3",
+        "data_hash": data_hash,
+        "init_data_hash": init_meta.get("data_hash", ""),
+        "K": str(student.top_k),
+        "seed": str(cfg.seed),
+        "teacher_topk": str(cfg.teacher_topk),
+    }
+    lora.save(student.model, out, meta)
+    return {"steps": step, "final_loss": runlog.entries[-1]["loss"]}

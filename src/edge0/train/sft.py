@@ -1,0 +1,167 @@
+"""Phase 2, `edge0 train sft MODEL_DIR --teacher DIR --data ...`: the LoRA on the student path.
+
+1. Prompts are random windows of the training text; the full-precision teacher samples a
+   continuation for each (cached in the run directory, with the data hash).
+2. The student (dequantized int4 base, prerouter routing at the served K, LoRA) is trained
+   with cross-entropy on the continuation tokens. The prompt is gate-routed and every
+   continuation position is prediction-routed, exactly as the engine serves a request.
+Heads come first (phase 1): the SFT signal would otherwise drown the heads' small gradients.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from edge0 import lora
+from edge0.sampling import SamplingParams
+from edge0.tokenizer import load_tokenizer
+from edge0.train import common
+from edge0.train.data import load_texts
+from edge0.train.student import load_student, load_teacher, lora_parameters, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SFTConfig:
+    top_k: int | None = None
+    rank: int = 16
+    alpha: float = 32.0
+    samples: int = 512
+    prompt_len: int = 32
+    gen_len: int = 96
+    temperature: float = 1.0  # CE on T=1 samples estimates KL(teacher || student)
+    gen_batch: int = 32
+    steps: int = 300
+    batch: int = 8
+    lr: float = 1e-3
+    save_every: int = 25
+    seed: int = 0
+
+
+def teacher_dataset(
+    teacher_dir: Path,
+    data: list[str],
+    tokenizer,
+    cfg: SFTConfig,
+    gen: torch.Generator,
+    device,
+    progress: bool,
+) -> tuple[torch.Tensor, str]:
+    """[samples, prompt_len + gen_len] tokens: corpus prompts and teacher continuations."""
+    docs, data_hash = load_texts(data, "train")
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    stream = common.tokenize(docs, tokenizer, eos)
+    prompts = common.random_windows(stream, cfg.samples, cfg.prompt_len - 1, gen)
+    teacher = load_teacher(teacher_dir, device)
+    params = SamplingParams(temperature=cfg.temperature)
+    out = []
+    for i in tqdm(
+        range(0, cfg.samples, cfg.gen_batch),
+        desc="teacher samples",
+        unit="batch",
+        disable=not progress,
+    ):
+        out.append(
+            sample(
+                teacher, prompts[i : i + cfg.gen_batch].to(device), cfg.gen_len, params, gen
+            ).cpu()
+        )
+    tokens = torch.cat(out)
+    digest = hashlib.sha256(data_hash.encode() + tokens.numpy().tobytes()).hexdigest()
+    return tokens, digest
+
+
+def continuation_loss(logits: torch.Tensor, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Mean CE of the continuation tokens (positions prompt_len..end) given their prefixes."""
+    pred = logits[:, prompt_len - 1 : -1]
+    return F.cross_entropy(
+        pred.reshape(-1, pred.shape[-1]).float(), tokens[:, prompt_len:].reshape(-1)
+    )
+
+
+def train_sft(
+    model_dir: Path,
+    teacher_dir: Path,
+    data: list[str],
+    out: Path,
+    cfg: SFTConfig,
+    heads: Path | None = None,
+    progress: bool = True,
+) -> dict:
+    model_dir, out = Path(model_dir), Path(out)
+    run = out.with_name(out.name + ".run")
+    run.mkdir(parents=True, exist_ok=True)
+    device = common.device_for()
+    gen = common.seed_everything(cfg.seed)
+    tok = load_tokenizer(model_dir)
+    cache = run / "dataset.pt"
+    if cache.exists():
+        dataset = torch.load(cache)
+    else:
+        tokens, digest = teacher_dataset(teacher_dir, data, tok, cfg, gen, device, progress)
+        dataset = {"tokens": tokens, "data_hash": digest}
+        torch.save(dataset, cache)
+    tokens = dataset["tokens"]
+    student = load_student(
+        model_dir,
+        top_k=cfg.top_k,
+        heads=heads,
+        new_lora=(cfg.rank, cfg.alpha),
+        seed=cfg.seed,
+        device=device,
+    )
+    params = lora_parameters(student.model)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    runlog = common.RunLog.resume(run / "log.json", common.config_dict(cfg))
+    step = 0
+    state = common.load_state(run / "state.pt")
+    if state is not None:
+        student.model.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["gen"])
+        step = state["step"]
+    student.model.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc="sft", unit="step", disable=not progress)
+    t0 = time.perf_counter()
+    while step < cfg.steps:
+        for group in opt.param_groups:
+            group["lr"] = common.cosine_lr(
+                step, cfg.steps, cfg.lr, max(1, cfg.steps // 20), cfg.lr / 10
+            )
+        idx = torch.randint(0, tokens.shape[0], (cfg.batch,), generator=gen)
+        batch = tokens[idx].to(device)
+        loss = continuation_loss(student.forward(batch, cfg.prompt_len), batch, cfg.prompt_len)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        runlog.add(
+            step=step, loss=round(loss.item(), 5), elapsed_s=round(time.perf_counter() - t0, 1)
+        )
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            trainable = {k: v for k, v in student.model.state_dict().items() if ".lora_" in k}
+            common.save_state(run / "state.pt", step, trainable, opt, gen)
+            runlog.save()
+    bar.close()
+    meta = {
+        "model": model_dir.name,
+        "base_hash": student.base_hash,
+        "phase": "2",
+        "data_hash": dataset["data_hash"],
+        "K": str(student.top_k),
+        "seed": str(cfg.seed),
+    }
+    lora.save(student.model, out, meta)
+    return {"steps": step, "final_loss": runlog.entries[-1]["loss"], "samples": tokens.shape[0]}

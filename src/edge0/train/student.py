@@ -1,0 +1,152 @@
+"""The models phases 2 and 3 train and compare, and batched sampling from them.
+
+  teacher   the full-precision Hugging Face model, native K, gate routing
+  student   the served model: the dequantized int4 base (frozen), prerouter routing at the
+            served K (frozen heads), and the recovery LoRA (the only trainable parameters)
+
+Everything runs on the GPU when there is one (`common.device_for`), else on the CPU.
+Shape legend: B batch, P prompt length, C continuation length, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edge0 import loader, lora, modeldir
+from edge0.models.base import Forward
+from edge0.prerouter.head import Prerouter
+from edge0.prerouter.runtime import PrerouterRuntime
+from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
+from edge0.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Student:
+    model: torch.nn.Module
+    prerouter: Prerouter | None
+    top_k: int
+    family: object
+    base_hash: str
+
+    def forward(self, tokens: torch.Tensor, first_predicted: int | torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits [B, T, V], prediction-routed from `first_predicted` on."""
+        b, t = tokens.shape
+        if self.prerouter is None:
+            return self.model(tokens)
+        mask = prediction_mask(b, t, first_predicted).to(tokens.device)
+        return self.model(tokens, TeacherForcedRouting(self.prerouter, mask))
+
+    def runtime(self) -> PrerouterRuntime | None:
+        return (
+            None if self.prerouter is None else PrerouterRuntime(self.prerouter, self.model, None)
+        )
+
+
+def load_teacher(path: Path | str, device: torch.device | None = None) -> torch.nn.Module:
+    model = loader.load_hf_model(path)
+    model.requires_grad_(False)
+    return model.to(device or "cpu")
+
+
+def load_student(
+    model_dir: Path | str,
+    *,
+    top_k: int | None = None,
+    heads: Path | None | bool = None,
+    lora_file: Path | None = None,
+    new_lora: tuple[int, float] | None = None,
+    seed: int = 0,
+    device: torch.device | None = None,
+) -> Student:
+    """The served model for training/eval. heads: a file, None (MODEL_DIR/prerouter.safetensors
+    if present) or False (gate routing). lora_file loads an adapter; new_lora=(r, alpha)
+    attaches a fresh one to every family LORA_TARGET."""
+    model_dir = Path(model_dir)
+    _, model = loader.load_edge0_model(model_dir, experts="dequantized")
+    model.requires_grad_(False)
+    cfg = model.config
+    k = top_k or cfg.num_experts_per_tok
+    model.set_top_k(k)
+    pre = None
+    if heads is not False:
+        path = heads or model_dir / modeldir.PREROUTER_FILE
+        if heads is not None or path.exists():
+            pre, _ = Prerouter.load(path, cfg.hidden_size, cfg.num_experts, model.moe_layers)
+            pre.requires_grad_(False)
+    from edge0 import models
+
+    fam = models.family(cfg.model_type)
+    base = modeldir.base_hash(model_dir)
+    if lora_file is not None:
+        lora.load(model, lora_file, base_hash=base)
+    elif new_lora is not None:
+        r, alpha = new_lora
+        lora.attach(
+            model,
+            lora.target_paths(model, fam.LORA_TARGETS),
+            r,
+            alpha,
+            torch.Generator().manual_seed(seed),
+        )
+    device = device or torch.device("cpu")
+    model.to(device)
+    if pre is not None:
+        pre.to(device)
+    return Student(model, pre, k, fam, base)
+
+
+def lora_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    params = []
+    for m in lora.adapters(model).values():
+        m.lora_A.requires_grad_(True)
+        m.lora_B.requires_grad_(True)
+        params += [m.lora_A, m.lora_B]
+    if not params:
+        raise ValueError("the student carries no LoRA to train")
+    return params
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: torch.Tensor,
+    steps: int,
+    params: SamplingParams,
+    gen: torch.Generator,
+    runtime: PrerouterRuntime | None = None,
+) -> torch.Tensor:
+    """Continue B equal-length prompts [B, P] by `steps` sampled tokens -> [B, P + steps].
+
+    With a runtime (the student) the prompt is gate-routed and every generated token is
+    prediction-routed, as the engine serves it; without one every layer uses its gate.
+    """
+    b = prompts.shape[0]
+    cache = model.new_cache() if hasattr(model, "new_cache") else None
+    if cache is None:
+        from edge0.models.layers import KVCache
+
+        cache = KVCache(model.config.num_hidden_layers)
+    sampler = Sampler(params)
+    sampler.generator = gen
+    if runtime is not None:
+        runtime.reset(rows=b)
+    fwd = Forward(cache, observer=runtime.observe if runtime else None)
+    logits = model(prompts, fwd, last_only=True)[:, -1]
+    out = [prompts]
+    for i in range(steps):
+        if runtime is not None:
+            runtime.flush()
+        nxt = torch.stack([torch.tensor(sampler(row)) for row in logits])[:, None].to(
+            prompts.device
+        )
+        out.append(nxt)
+        if i + 1 == steps:
+            break
+        fwd = (
+            Forward(cache, dict(runtime.predicted), runtime.observe) if runtime else Forward(cache)
+        )
+        logits = model(nxt, fwd, last_only=True)[:, -1]
+    return torch.cat(out, dim=1)
