@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: run test lint clean
+.PHONY: run test lint clean builtin-model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,3 +24,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Rebuild the built-in model from scratch (teacher pre-training, convert, three training
+# phases, eval) and copy it into src/edge0/builtin. About two hours on 2 CPU cores.
+builtin-model: $(STAMP)
+	$(PY) -m edge0.builtin_build --work build/builtin

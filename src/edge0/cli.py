@@ -168,7 +168,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from edge0.engine import Engine
     from edge0.tokenizer import IncrementalDecoder
 
-    engine = Engine(args.model_dir, engine_options(args))
+    engine = Engine(args.model_dir or default_model_dir(), engine_options(args))
+
     try:
         prompt = engine.tokenizer.encode(args.prompt)
         decoder = IncrementalDecoder(engine.tokenizer)
@@ -563,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("model_dir", type=Path)
+    g.add_argument("model_dir", type=Path, nargs="?", default=None,
+                   help="edge0 model directory (default: the built-in model)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--stats-json", type=Path, default=None, help="write the run's stats here")

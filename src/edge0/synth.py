@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from edge0 import modeldir
 from edge0.checkpoint import sha256_file
+from edge0.models import qwen3_moe
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import tensor_name
 from edge0.store.extents import ExtentLayout
@@ -40,28 +41,19 @@ class Shape:
     vocab: int = 8192
 
     def config(self) -> dict:
-        return {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "vocab_size": self.vocab,
-            "hidden_size": self.hidden,
-            "intermediate_size": 4 * self.hidden,
-            "moe_intermediate_size": self.expert_width,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "num_experts": self.experts,
-            "num_experts_per_tok": self.top_k,
-            "norm_topk_prob": True,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0,
-            "max_position_embeddings": 32768,
-            "tie_word_embeddings": False,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "torch_dtype": "bfloat16",
-        }
+        return qwen3_moe.hf_config(
+            vocab=self.vocab,
+            hidden=self.hidden,
+            layers=self.layers,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            experts=self.experts,
+            top_k=self.top_k,
+            expert_width=self.expert_width,
+            rope_theta=1000000.0,
+            max_position_embeddings=32768,
+        )
 
 
 def _resident_specs(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:

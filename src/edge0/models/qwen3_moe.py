@@ -203,3 +203,50 @@ class Model(nn.Module):
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+
+
+def hf_config(
+    *,
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    experts: int,
+    top_k: int,
+    expert_width: int,
+    **overrides,
+) -> dict:
+    """A complete transformers `Qwen3MoeConfig` as a dict (what synth and train teacher write)."""
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 4 * hidden,
+        "moe_intermediate_size": expert_width,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "torch_dtype": "bfloat16",
+    }
+    cfg.update(overrides)
+    return cfg

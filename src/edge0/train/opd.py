@@ -16,19 +16,17 @@ The gradient flows through the prediction-routed student forward into the LoRA o
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from edge0 import lora
 from edge0.sampling import SamplingParams
 from edge0.tokenizer import load_tokenizer
 from edge0.train import common
 from edge0.train.data import load_texts
-from edge0.train.student import load_student, load_teacher, lora_parameters, sample
+from edge0.train.student import load_student, load_teacher, sample, train_lora
 
 log = logging.getLogger(__name__)
 
@@ -84,49 +82,33 @@ def train_opd(
     stream = common.tokenize(docs, tok, eos)
     teacher = load_teacher(teacher_dir, device)
     student = load_student(model_dir, top_k=cfg.top_k, heads=heads, lora_file=init, device=device)
-    params = lora_parameters(student.model)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    runlog = common.RunLog.resume(run / "log.json", common.config_dict(cfg))
-    step = 0
-    state = common.load_state(run / "state.pt")
-    if state is not None:
-        student.model.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["gen"])
-        step = state["step"]
     runtime = student.runtime()
-    params_sampling = SamplingParams(temperature=cfg.temperature)
-    bar = tqdm(total=cfg.steps, initial=step, desc="opd", unit="step", disable=not progress)
-    t0 = time.perf_counter()
+    sampling = SamplingParams(temperature=cfg.temperature)
     p = cfg.prompt_len
-    while step < cfg.steps:
-        for group in opt.param_groups:
-            group["lr"] = common.cosine_lr(
-                step, cfg.steps, cfg.lr, max(1, cfg.steps // 10), cfg.lr / 10
-            )
+
+    def loss_fn(step: int) -> torch.Tensor:
         prompts = common.random_windows(stream, cfg.batch, p - 1, gen).to(device)
         student.model.eval()
-        seqs = sample(student.model, prompts, cfg.gen_len, params_sampling, gen, runtime)
+        seqs = sample(student.model, prompts, cfg.gen_len, sampling, gen, runtime)
         with torch.no_grad():
             target = teacher(seqs)[:, p - 1 : -1]
         student.model.train()
         logits = student.forward(seqs, p)[:, p - 1 : -1]
-        loss = reverse_kl_topk_tail(logits, target, cfg.teacher_topk)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        runlog.add(
-            step=step, loss=round(loss.item(), 5), elapsed_s=round(time.perf_counter() - t0, 1)
-        )
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            trainable = {k: v for k, v in student.model.state_dict().items() if ".lora_" in k}
-            common.save_state(run / "state.pt", step, trainable, opt, gen)
-            runlog.save()
-    bar.close()
+        return reverse_kl_topk_tail(logits, target, cfg.teacher_topk)
+
+    runlog = train_lora(
+        student,
+        run,
+        common.config_dict(cfg),
+        steps=cfg.steps,
+        lr=cfg.lr,
+        warmup=max(1, cfg.steps // 10),
+        save_every=cfg.save_every,
+        gen=gen,
+        loss_fn=loss_fn,
+        desc="opd",
+        progress=progress,
+    )
     init_meta = lora.read(init).metadata
     meta = {
         "model": model_dir.name,
@@ -139,4 +121,4 @@ def train_opd(
         "teacher_topk": str(cfg.teacher_topk),
     }
     lora.save(student.model, out, meta)
-    return {"steps": step, "final_loss": runlog.entries[-1]["loss"]}
+    return {"steps": cfg.steps, "final_loss": runlog.entries[-1]["loss"]}

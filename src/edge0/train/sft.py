@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from edge0.sampling import SamplingParams
 from edge0.tokenizer import load_tokenizer
 from edge0.train import common
 from edge0.train.data import load_texts
-from edge0.train.student import load_student, load_teacher, lora_parameters, sample
+from edge0.train.student import load_student, load_teacher, sample, train_lora
 
 log = logging.getLogger(__name__)
 
@@ -119,42 +118,26 @@ def train_sft(
         seed=cfg.seed,
         device=device,
     )
-    params = lora_parameters(student.model)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    runlog = common.RunLog.resume(run / "log.json", common.config_dict(cfg))
-    step = 0
-    state = common.load_state(run / "state.pt")
-    if state is not None:
-        student.model.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["gen"])
-        step = state["step"]
     student.model.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc="sft", unit="step", disable=not progress)
-    t0 = time.perf_counter()
-    while step < cfg.steps:
-        for group in opt.param_groups:
-            group["lr"] = common.cosine_lr(
-                step, cfg.steps, cfg.lr, max(1, cfg.steps // 20), cfg.lr / 10
-            )
+
+    def loss_fn(step: int) -> torch.Tensor:
         idx = torch.randint(0, tokens.shape[0], (cfg.batch,), generator=gen)
         batch = tokens[idx].to(device)
-        loss = continuation_loss(student.forward(batch, cfg.prompt_len), batch, cfg.prompt_len)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        runlog.add(
-            step=step, loss=round(loss.item(), 5), elapsed_s=round(time.perf_counter() - t0, 1)
-        )
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            trainable = {k: v for k, v in student.model.state_dict().items() if ".lora_" in k}
-            common.save_state(run / "state.pt", step, trainable, opt, gen)
-            runlog.save()
-    bar.close()
+        return continuation_loss(student.forward(batch, cfg.prompt_len), batch, cfg.prompt_len)
+
+    runlog = train_lora(
+        student,
+        run,
+        common.config_dict(cfg),
+        steps=cfg.steps,
+        lr=cfg.lr,
+        warmup=max(1, cfg.steps // 20),
+        save_every=cfg.save_every,
+        gen=gen,
+        loss_fn=loss_fn,
+        desc="sft",
+        progress=progress,
+    )
     meta = {
         "model": model_dir.name,
         "base_hash": student.base_hash,
@@ -164,4 +147,8 @@ def train_sft(
         "seed": str(cfg.seed),
     }
     lora.save(student.model, out, meta)
-    return {"steps": step, "final_loss": runlog.entries[-1]["loss"], "samples": tokens.shape[0]}
+    return {
+        "steps": cfg.steps,
+        "final_loss": runlog.entries[-1]["loss"],
+        "samples": tokens.shape[0],
+    }

@@ -10,10 +10,12 @@ Shape legend: B batch, P prompt length, C continuation length, V vocab.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from edge0 import loader, lora, modeldir
 from edge0.models.base import Forward
@@ -21,6 +23,7 @@ from edge0.prerouter.head import Prerouter
 from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
 from edge0.sampling import Sampler, SamplingParams
+from edge0.train import common
 
 
 @dataclass
@@ -150,3 +153,54 @@ def sample(
         )
         logits = model(nxt, fwd, last_only=True)[:, -1]
     return torch.cat(out, dim=1)
+
+
+def train_lora(
+    student: Student,
+    run: Path,
+    config: dict,
+    *,
+    steps: int,
+    lr: float,
+    warmup: int,
+    save_every: int,
+    gen: torch.Generator,
+    loss_fn,
+    desc: str,
+    progress: bool,
+) -> common.RunLog:
+    """The loop phases 2 and 3 share: AdamW on the LoRA only, warm-up + cosine, clipping,
+    a JSON log of every loss, and resumable checkpoints of the trainables every save_every.
+    `loss_fn(step)` returns the step's loss tensor."""
+    params = lora_parameters(student.model)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    runlog = common.RunLog.resume(run / "log.json", config)
+    step = 0
+    state = common.load_state(run / "state.pt")
+    if state is not None:
+        student.model.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["gen"])
+        step = state["step"]
+    bar = tqdm(total=steps, initial=step, desc=desc, unit="step", disable=not progress)
+    t0 = time.perf_counter()
+    while step < steps:
+        for group in opt.param_groups:
+            group["lr"] = common.cosine_lr(step, steps, lr, warmup, lr / 10)
+        loss = loss_fn(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        runlog.add(
+            step=step, loss=round(loss.item(), 5), elapsed_s=round(time.perf_counter() - t0, 1)
+        )
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        if step % save_every == 0 or step == steps:
+            trainable = {k: v for k, v in student.model.state_dict().items() if ".lora_" in k}
+            common.save_state(run / "state.pt", step, trainable, opt, gen)
+            runlog.save()
+    bar.close()
+    return runlog

@@ -58,36 +58,19 @@ class TeacherConfig:
     data: tuple[str, ...] = ("stdlib",)
 
     def hf_config(self) -> dict:
-        return {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "vocab_size": self.vocab,
-            "hidden_size": self.hidden,
-            "intermediate_size": 4 * self.hidden,
-            "moe_intermediate_size": self.expert_width,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "num_experts": self.experts,
-            "num_experts_per_tok": self.top_k,
-            "norm_topk_prob": True,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0,
-            "max_position_embeddings": 4096,
-            "tie_word_embeddings": True,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "attention_bias": False,
-            "hidden_act": "silu",
-            "initializer_range": 0.02,
-            "router_aux_loss_coef": self.aux_coef,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "attention_dropout": 0.0,
-            "bos_token_id": None,
-            "torch_dtype": "bfloat16",
-        }
+        return qwen3_moe.hf_config(
+            vocab=self.vocab,
+            hidden=self.hidden,
+            layers=self.layers,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            experts=self.experts,
+            top_k=self.top_k,
+            expert_width=self.expert_width,
+            tie_word_embeddings=True,
+            router_aux_loss_coef=self.aux_coef,
+        )
 
 
 def load_balancing_loss(logits: list[torch.Tensor], top_k: int) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""`make builtin-model`: rebuild the built-in model from scratch with edge0's own commands.
+
+  1. edge0 train teacher   a Qwen3-MoE pre-trained on the stdlib corpus (HF directory)
+  2. edge0 convert         int4 experts -> an edge0 directory
+  3. edge0 train heads     phase 1, served K=4 (half the native 8)
+  4. edge0 train sft       phase 2, on teacher samples
+  5. edge0 train opd       phase 3, on the student's own samples
+  6. edge0 eval            the quality table (docs/builtin-model.md)
+then copies the results into src/edge0/builtin/{model,teacher} and records each stage's wall
+time, sizes and hashes in src/edge0/builtin/BUILD.json. A stage whose output already exists
+in the work directory is skipped (each training stage also resumes by itself), so an
+interrupted build continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from edge0 import builtin, cli, modeldir
+from edge0.checkpoint import sha256_file
+
+SERVED_K = 4
+
+
+def stages(work: Path) -> list[tuple[str, Path, list[str]]]:
+    teacher, model = work / "teacher", work / "model"
+    return [
+        ("teacher", teacher / "model.safetensors",
+         ["train", "teacher", str(teacher), "--steps", "1200", "--batch", "8", "--seq-len", "256",
+          "--save-every", "25"]),
+        ("convert", model / "edge0.json", ["convert", str(teacher), str(model)]),
+        ("heads", model / "prerouter.safetensors",
+         ["train", "heads", str(model), "--data", "stdlib", "--top-k", str(SERVED_K),
+          "--tokens", "120000", "--heldout-tokens", "24000", "--epochs", "6"]),
+        ("sft", model / "lora-phase2.safetensors",
+         ["train", "sft", str(model), "--teacher", str(teacher), "--top-k", str(SERVED_K),
+          "--samples", "2048", "--gen-len", "96", "--steps", "400", "--batch", "16"]),
+        ("opd", model / modeldir.LORA_FILE,
+         ["train", "opd", str(model), "--teacher", str(teacher), "--top-k", str(SERVED_K),
+          "--steps", "120", "--batch", "8", "--gen-len", "64"]),
+        ("eval", work / "eval.json",
+         ["eval", str(model), "--teacher", str(teacher), "--top-k", str(SERVED_K),
+          "--windows", "64", "--json", str(work / "eval.json")]),
+    ]
+
+
+def ship(work: Path, timings: dict) -> None:
+    """Copy model and teacher (no run directories) into the package and record the build."""
+    dst_model, dst_teacher = builtin.ROOT / "model", builtin.ROOT / "teacher"
+    for src, dst in ((work / "model", dst_model), (work / "teacher", dst_teacher)):
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.is_file() and f.name != modeldir.MANIFEST:
+                shutil.copy2(f, dst / f.name)
+    manifest = modeldir.Manifest.load(work / "model")
+    manifest.source = {"teacher": "../teacher", "built_by": "make builtin-model"}
+    manifest.files = {p.name: sha256_file(p) for p in sorted(dst_model.iterdir()) if p.is_file()}
+    manifest.save(dst_model)
+    sizes = {d.name: sum(p.stat().st_size for p in d.iterdir()) for d in (dst_model, dst_teacher)}
+    record = {"stages_s": timings, "bytes": sizes, "total_bytes": sum(sizes.values()),
+              "teacher_files": {p.name: sha256_file(p) for p in sorted(dst_teacher.iterdir())},
+              "eval": json.loads((work / "eval.json").read_text())}
+    (builtin.ROOT / "BUILD.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edge0.builtin_build", description=__doc__)
+    p.add_argument("--work", type=Path, default=Path("build/builtin"), help="work directory")
+    p.add_argument("--no-ship", action="store_true", help="build only; do not copy into the package")
+    args = p.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    timings_path = args.work / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    for name, output, command in stages(args.work):
+        if output.exists():
+            print(f"== {name}: done ({output})", flush=True)
+            continue
+        print(f"== {name}: edge0 {' '.join(command)}", flush=True)
+        t0 = time.perf_counter()
+        code = cli.main(command)
+        if code:
+            return code
+        timings[name] = round(time.perf_counter() - t0 + timings.get(name, 0.0), 1)
+        timings_path.write_text(json.dumps(timings, indent=2) + "\n")
+    if not args.no_ship:
+        ship(args.work, timings)
+        print(f"shipped into {builtin.ROOT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
