@@ -72,7 +72,7 @@ def ship(work: Path, timings: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m edge0.builtin_build", description=__doc__)
     p.add_argument("--work", type=Path, default=Path("build/builtin"), help="work directory")
-    p.add_argument("--no-ship", action="store_true", help="build only; do not copy into the package")
+    p.add_argument("--no-ship", action="store_true", help="do not copy into the package")
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     timings_path = args.work / "timings.json"
