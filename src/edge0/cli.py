@@ -564,8 +564,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("model_dir", type=Path, nargs="?", default=None,
-                   help="edge0 model directory (default: the built-in model)")
+    g.add_argument(
+        "model_dir",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="edge0 model directory (default: the built-in model)",
+    )
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--stats-json", type=Path, default=None, help="write the run's stats here")
@@ -575,6 +580,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_parsers(sub)
     add_eval_parser(sub)
+    from edge0.chat import add_chat_parser
+    from edge0.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
+    add_chat_parser(sub)
+
     from edge0.inspect import add_inspect_parser
 
     add_inspect_parser(sub)

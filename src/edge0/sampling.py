@@ -28,7 +28,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures this small would overflow the scaled logits; they mean greedy."""
+        return self.temperature < 1e-5
 
 
 class Sampler:

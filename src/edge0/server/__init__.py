@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: `create_app(engine, ServerOptions(...))`; see app.py."""

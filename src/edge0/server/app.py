@@ -1,0 +1,123 @@
+"""The OpenAI-compatible HTTP app: routes, error handlers, and the generation thread's lifetime.
+
+GET  /v1/models            the one model served
+POST /v1/chat/completions  chat, streamed (SSE) or whole
+POST /v1/completions       raw prompt continuation, streamed or whole
+GET  /health               liveness and queue depth
+GET  /metrics              Prometheus text format
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from edge0.server import errors
+from edge0.server.chat_api import chat_completions
+from edge0.server.completions_api import completions
+from edge0.server.jobs import SamplingDefaults
+from edge0.server.logprobs import TokenStrings
+from edge0.server.metrics import Metrics
+from edge0.server.middleware import Guard
+from edge0.server.prompt import ChatTemplate
+from edge0.server.protocol import ChatCompletionRequest, CompletionRequest
+from edge0.server.state import ServerState
+from edge0.server.worker import Worker
+
+
+@dataclass
+class ServerOptions:
+    model_name: str | None = None  # default: the model directory's name
+    api_key: str | None = None  # required on /v1 routes when set
+    queue_size: int = 32  # requests that may wait behind the running one
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int | None = None  # chat requests without max_tokens; None: to the end
+
+
+def context_window(engine) -> int:
+    """Tokens a prompt plus its completion may take: the KV budget, within the model's limit."""
+    limit = getattr(engine.config, "max_position_embeddings", None)
+    return min(engine.options.max_context, limit) if limit else engine.options.max_context
+
+
+def create_app(engine, options: ServerOptions | None = None) -> FastAPI:
+    """An app serving `engine`; the generation thread runs while the app's lifespan does.
+
+    The caller keeps ownership of the engine (and closes it after the server stops).
+    """
+    opts = options or ServerOptions()
+    worker = Worker(engine, opts.queue_size)
+    state = ServerState(
+        model_name=opts.model_name or engine.path.name,
+        worker=worker,
+        metrics=Metrics(engine, lambda: worker.depth),
+        template=ChatTemplate(engine.tokenizer),
+        strings=TokenStrings(engine.tokenizer),
+        sampling=SamplingDefaults.from_model_dir(engine.path),
+        context=context_window(engine),
+        vocab_size=engine.config.vocab_size,
+        default_max_tokens=opts.default_max_tokens,
+        started=int(time.time()),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    # a body sent without any Content-Type is read as JSON; a form or text type is refused
+    app = FastAPI(title="edge0", version="1", lifespan=lifespan, strict_content_type=False)
+    app.state.edge0 = state
+    errors.install(app)
+    app.add_middleware(Guard, api_key=opts.api_key, max_bytes=opts.max_body_bytes)
+
+    def model_card() -> dict:
+        return {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.started,
+            "owned_by": "edge0",
+            "max_model_len": state.context,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id}")
+    async def get_model(model_id: str) -> dict:
+        if model_id != state.model_name:
+            raise errors.APIError(
+                404,
+                f"model {model_id!r} is not served here; this server serves {state.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat_completions(state, body, request)
+
+    @app.post("/v1/completions")
+    async def complete(body: CompletionRequest, request: Request) -> Response:
+        return await completions(state, body, request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse(
+            {"status": "ok", "model": state.model_name, "queue_depth": worker.depth}
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,206 @@
+"""POST /v1/chat/completions: template, generate, then split reasoning, answer and tool calls.
+
+Streamed and whole responses go through the same ChatOutput, so a stream's deltas always add
+up to the non-streamed message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from edge0.server.errors import bad_request, error_body
+from edge0.server.jobs import sse, token_budget
+from edge0.server.logprobs import TokenLogprob
+from edge0.server.prompt import ChatPrompt, template_messages
+from edge0.server.protocol import ChatCompletionRequest
+from edge0.server.reasoning import REASONING, ThinkSplitter
+from edge0.server.state import ServerState, new_id, now
+from edge0.server.tools import ToolCallParser, forced_prefix
+from edge0.server.worker import Done, Failed, Token
+
+ENDPOINT = "chat"
+
+
+class ChatOutput:
+    """Generated text -> message deltas: reasoning_content, content, tool_calls."""
+
+    def __init__(self, prompt: ChatPrompt, tools: list[dict] | None, prefix: str):
+        self.splitter = ThinkSplitter(prompt.opens_in_reasoning) if prompt.thinking else None
+        self.parser = ToolCallParser(tools) if tools is not None else None
+        self.calls = 0
+        if prefix:
+            assert self.parser is not None
+            self.parser.feed(prefix)  # opens the forced call; emits nothing
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        parts = self.splitter.feed(text) if self.splitter else [("content", text)]
+        return self._route(parts)
+
+    def finish(self) -> list[dict[str, Any]]:
+        deltas = self._route(self.splitter.finish()) if self.splitter else []
+        if self.parser is not None:
+            deltas += self._answer(self.parser.finish())
+        return deltas
+
+    def _route(self, parts: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for channel, text in parts:
+            if channel == REASONING:
+                out.append({"reasoning_content": text})
+            elif self.parser is not None:
+                out += self._answer(self.parser.feed(text))
+            else:
+                out.append({"content": text})
+        return out
+
+    def _answer(self, items: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for kind, value in items:
+            if kind == "content":
+                out.append({"content": value})
+            else:
+                out.append({"tool_calls": [value.as_dict(index=self.calls)]})
+                self.calls += 1
+        return out
+
+    def finish_reason(self, done: Done) -> str:
+        return "tool_calls" if self.calls and done.finish_reason == "stop" else done.finish_reason
+
+
+async def chat_completions(
+    state: ServerState, body: ChatCompletionRequest, request: Request
+) -> Response:
+    template = state.template
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.enable_thinking is not None:
+        kwargs.setdefault("enable_thinking", body.enable_thinking)
+    tools = None
+    if body.tools and body.tool_choice != "none":
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    prefix = forced_prefix(body.tool_choice, template.tool_format) if tools else ""
+    if prefix:  # a forced call starts the reply at once: no think block before it
+        kwargs.setdefault("enable_thinking", False)
+    try:
+        template.check_kwargs(kwargs)
+    except ValueError as e:
+        raise bad_request(str(e), param="chat_template_kwargs") from e
+    try:
+        prompt = template.render(template_messages(body.messages), tools, kwargs, prefix)
+    except ValueError as e:
+        raise bad_request(str(e), param="messages") from e
+    max_tokens = token_budget(
+        body.token_limit(), len(prompt.ids), state.context, state.default_max_tokens, "messages"
+    )
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    pending = state.submit(
+        ENDPOINT,
+        prompt=prompt.ids,
+        max_tokens=max_tokens,
+        sampling=state.sampling.resolve(body),
+        stop=body.stop_list(),
+        top_logprobs=top,
+    )
+    output = ChatOutput(prompt, tools, prefix)
+    meta = {"id": new_id("chatcmpl"), "created": now(), "model": state.model_name}
+    if body.stream:
+        stream = _stream(state, body, pending, output, meta, len(prompt.ids))
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+    return await _whole(state, pending, output, meta, len(prompt.ids), request, top is not None)
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _whole(state, pending, output, meta, n_prompt, request, want_logprobs) -> Response:
+    tokens, done = await state.collect(ENDPOINT, pending, request)
+    deltas = [d for t in tokens for d in output.feed(t.text)] + output.feed(done.text)
+    deltas += output.finish()
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    content = _join(deltas, "content")
+    # content is null only beside tool calls, as in the OpenAI API
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    reasoning = _join(deltas, "reasoning_content")
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+    logprobs = None
+    if want_logprobs:
+        logprobs = {"content": [state.strings.chat_entry(t.logprob) for t in tokens]}
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": output.finish_reason(done),
+    }
+    return JSONResponse(
+        {
+            **meta,
+            "object": "chat.completion",
+            "choices": [choice],
+            "usage": usage(n_prompt, done.completion_tokens),
+        }
+    )
+
+
+def _join(deltas: list[dict], key: str) -> str | None:
+    parts = [d[key] for d in deltas if key in d]
+    return "".join(parts) if parts else None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def _stream(state, body, pending, output, meta, n_prompt):
+    include_usage = body.include_usage()
+    strings = state.strings
+    held: list[TokenLogprob] = []  # logprobs of tokens whose text is not out yet
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+        if held:
+            choice["logprobs"] = {"content": [strings.chat_entry(lp) for lp in held]}
+            held.clear()
+        choice["finish_reason"] = finish
+        c = {**meta, "object": "chat.completion.chunk", "choices": [choice]}
+        if include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    outcome = "cancelled"
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in pending:
+            if isinstance(event, Token):
+                if event.logprob is not None:
+                    held.append(event.logprob)
+                for delta in output.feed(event.text):
+                    yield chunk(delta)
+            elif isinstance(event, Failed):
+                outcome = "error"
+                yield sse(error_body(f"generation failed: {event.message}", "server_error"))
+                break
+            else:
+                outcome = event.finish_reason
+                if outcome == "cancelled":
+                    return
+                state.record(ENDPOINT, outcome, pending, event)
+                for delta in output.feed(event.text) + output.finish():
+                    yield chunk(delta)
+                yield chunk({}, output.finish_reason(event))
+                if include_usage:
+                    u = {**meta, "object": "chat.completion.chunk", "choices": []}
+                    yield sse({**u, "usage": usage(n_prompt, event.completion_tokens)})
+        yield sse("[DONE]")
+    finally:
+        if outcome in ("cancelled", "error"):
+            pending.cancel()
+            state.record(ENDPOINT, outcome, pending)

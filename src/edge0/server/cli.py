@@ -1,0 +1,133 @@
+"""`edge0 serve`: flags, the bind-address check, and running uvicorn around the app.
+
+Imports of torch, FastAPI and uvicorn wait until the command runs, so building the CLI's
+parser stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Warn when the server is reachable from other machines without an API key."""
+    if not is_loopback(host) and not api_key:
+        log.warning(
+            "binding %s without --api-key: anyone who can reach this address can use the "
+            "model; pass --api-key KEY or bind 127.0.0.1",
+            host,
+        )
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    from edge0 import memory
+    from edge0.cli import add_engine_args
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    s.add_argument(
+        "model_dir",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="edge0 model directory (default: the built-in model)",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    s.add_argument("--port", type=int, default=8000)
+    key = s.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes"
+    )
+    key.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="read the key from this file's first line (keeps it out of the process list)",
+    )
+    s.add_argument("--model-name", default=None, help="model id to report (default: dir name)")
+    s.add_argument(
+        "--queue-size",
+        type=int,
+        default=32,
+        help="requests that may wait behind the running one; more get 429 (default 32)",
+    )
+    s.add_argument(
+        "--max-body",
+        type=memory.parse_size,
+        default=memory.parse_size("1M"),
+        help="largest request body accepted (default 1M)",
+    )
+    s.add_argument(
+        "--max-context",
+        type=int,
+        default=4096,
+        help="tokens of prompt plus completion per request; sizes the KV cache (default 4096)",
+    )
+    s.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="completion length for chat requests without max_tokens (default: to the end of "
+        "the context)",
+    )
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+    return s
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from edge0.cli import default_model_dir, engine_options
+    from edge0.engine import Engine
+    from edge0.server.app import ServerOptions, create_app
+
+    if args.max_context < 2:
+        raise ValueError(f"--max-context must be at least 2, got {args.max_context}")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise ValueError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        lines = args.api_key_file.read_text().split()
+        if not lines:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        api_key = lines[0]
+    check_bind(args.host, api_key)
+    opts = engine_options(args)
+    opts.max_context = args.max_context
+    engine = Engine(args.model_dir or default_model_dir(), opts)
+    try:
+        app = create_app(
+            engine,
+            ServerOptions(
+                model_name=args.model_name,
+                api_key=api_key,
+                queue_size=args.queue_size,
+                max_body_bytes=args.max_body,
+                default_max_tokens=args.default_max_tokens,
+            ),
+        )
+        name = args.model_name or engine.path.name
+        print(f"edge0: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+        level = "info" if getattr(args, "verbose", False) else "warning"
+        # open streams get a few seconds on Ctrl-C, then are cancelled (and their generations)
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5
+        )
+    finally:
+        engine.close()
+    return 0

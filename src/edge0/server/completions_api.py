@@ -1,0 +1,131 @@
+"""POST /v1/completions: a raw prompt (text or token ids) continued, with legacy logprobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from edge0.server.chat_api import SSE_HEADERS, usage
+from edge0.server.errors import bad_request, error_body
+from edge0.server.jobs import sse, token_budget
+from edge0.server.logprobs import legacy_logprobs
+from edge0.server.protocol import CompletionRequest
+from edge0.server.state import ServerState, new_id, now
+from edge0.server.worker import Failed, Token
+
+ENDPOINT = "completions"
+DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for this endpoint
+
+
+def prompt_ids(state: ServerState, body: CompletionRequest) -> tuple[list[int], str]:
+    """The prompt as token ids, and as text (for echo)."""
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        ids = state.tokenizer.encode(prompt)
+        text = prompt
+    else:
+        bad = [t for t in prompt if not 0 <= t < state.vocab_size]
+        if bad:
+            raise bad_request(
+                f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+                param="prompt",
+            )
+        ids = list(prompt)
+        text = state.tokenizer.decode(ids)
+    if not ids:
+        raise bad_request("the prompt is empty", param="prompt")
+    return ids, text
+
+
+async def completions(state: ServerState, body: CompletionRequest, request: Request) -> Response:
+    ids, text = prompt_ids(state, body)
+    requested = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+    max_tokens = token_budget(requested, len(ids), state.context, None, "prompt")
+    pending = state.submit(
+        ENDPOINT,
+        prompt=ids,
+        max_tokens=max_tokens,
+        sampling=state.sampling.resolve(body),
+        stop=body.stop_list(),
+        top_logprobs=body.logprobs,
+    )
+    meta = {"id": new_id("cmpl"), "created": now(), "model": state.model_name}
+    echo = text if body.echo else ""
+    if body.stream:
+        return StreamingResponse(
+            _stream(state, body, pending, meta, len(ids), echo),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    tokens, done = await state.collect(ENDPOINT, pending, request)
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = legacy_logprobs(state.strings, [t.logprob for t in tokens], len(echo))
+    choice = {
+        "index": 0,
+        "text": echo + "".join(t.text for t in tokens) + done.text,
+        "logprobs": logprobs,
+        "finish_reason": done.finish_reason,
+    }
+    return JSONResponse(
+        {
+            **meta,
+            "object": "text_completion",
+            "choices": [choice],
+            "usage": usage(len(ids), done.completion_tokens),
+        }
+    )
+
+
+async def _stream(state, body, pending, meta, n_prompt, echo):
+    include_usage = body.include_usage()
+    offset = len(echo)
+
+    def chunk(text: str, tokens: list[Token], finish: str | None = None) -> str:
+        nonlocal offset
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = legacy_logprobs(state.strings, [t.logprob for t in tokens], offset)
+        offset += sum(len(state.strings.text(t.token)) for t in tokens)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
+        c = {**meta, "object": "text_completion", "choices": [choice]}
+        if include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    outcome = "cancelled"
+    held: list[Token] = []
+    try:
+        if echo:
+            yield chunk(echo, [])
+        async for event in pending:
+            if isinstance(event, Token):
+                held.append(event)
+                if event.text:
+                    yield chunk(event.text, held)
+                    held = []
+            elif isinstance(event, Failed):
+                outcome = "error"
+                yield sse(error_body(f"generation failed: {event.message}", "server_error"))
+                break
+            else:
+                outcome = event.finish_reason
+                if outcome == "cancelled":
+                    return
+                state.record(ENDPOINT, outcome, pending, event)
+                yield chunk(event.text, held, event.finish_reason)
+                if include_usage:
+                    u = {**meta, "object": "text_completion", "choices": []}
+                    yield sse({**u, "usage": usage(n_prompt, event.completion_tokens)})
+        yield sse("[DONE]")
+    finally:
+        if outcome in ("cancelled", "error"):
+            pending.cancel()
+            state.record(ENDPOINT, outcome, pending)

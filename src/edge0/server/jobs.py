@@ -1,0 +1,176 @@
+"""From a validated request to a queued Job, and the Job's events back on the event loop.
+
+Everything that can be refused (context length, token budget, a full queue) is decided here,
+before a response starts, so a streaming client still gets a proper 4xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.requests import Request
+
+from edge0.sampling import SamplingParams
+from edge0.server.errors import APIError, bad_request
+from edge0.server.protocol import CommonRequest
+from edge0.server.worker import Done, Event, Failed, Job, QueueFull, Token, Worker
+
+log = logging.getLogger(__name__)
+
+GREEDY_BELOW = 1e-5  # temperatures below this are served greedily
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request gets for the sampling fields it leaves out."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @classmethod
+    def from_model_dir(cls, path: Path) -> SamplingDefaults:
+        """The model's generation_config.json values, else the OpenAI defaults."""
+        f = Path(path) / "generation_config.json"
+        cfg = json.loads(f.read_text()) if f.is_file() else {}
+        d = cls()
+        t, p, k = cfg.get("temperature"), cfg.get("top_p"), cfg.get("top_k")
+        if cfg.get("do_sample") is False:
+            t = 0.0
+        return cls(
+            temperature=float(t) if isinstance(t, int | float) else d.temperature,
+            top_p=float(p) if isinstance(p, int | float) and 0 < p <= 1 else d.top_p,
+            top_k=int(k) if isinstance(k, int) and k > 0 else d.top_k,
+        )
+
+    def resolve(self, req: CommonRequest) -> SamplingParams:
+        top_k = self.top_k if req.top_k is None else max(req.top_k, 0)
+        t = self.temperature if req.temperature is None else req.temperature
+        return SamplingParams(
+            # dividing logits by a near-zero temperature overflows them; it means greedy
+            temperature=0.0 if t < GREEDY_BELOW else t,
+            top_p=self.top_p if req.top_p is None else req.top_p,
+            top_k=top_k,
+            seed=req.seed,
+        )
+
+
+def token_budget(
+    requested: int | None, prompt_tokens: int, context: int, default: int | None, what: str
+) -> int:
+    """max_tokens for a prompt of `prompt_tokens` in a `context`-token window.
+
+    Raises a 400 when the prompt leaves no room or `requested` does not fit.
+    """
+    room = context - prompt_tokens
+    if room < 1:
+        raise bad_request(
+            f"the prompt is {prompt_tokens} tokens, which leaves no room in this model's "
+            f"context window of {context} tokens; shorten the {what}",
+            param=what,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return min(room, default) if default else room
+    if requested > room:
+        raise bad_request(
+            f"max_tokens {requested} + the prompt's {prompt_tokens} tokens exceed the context "
+            f"window of {context} tokens; ask for at most {room}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+class Pending:
+    """A submitted Job seen from the event loop; iterate it for its events."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop: list[str],
+        top_logprobs: int | None,
+    ):
+        self.worker = worker
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.arrived = time.perf_counter()
+        self.first_token_s: float | None = None
+        self.job = Job(prompt, max_tokens, sampling, self._sink, stop, top_logprobs)
+        try:
+            worker.submit(self.job)
+        except QueueFull as e:
+            raise APIError(
+                429,
+                f"{e}; the server runs one generation at a time with "
+                f"{worker.queue_size} waiting at most",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(e.retry_after_s)},
+            ) from e
+        except RuntimeError as e:
+            raise APIError(503, str(e), type="server_error", code="shutting_down") from e
+
+    def _sink(self, event: Event) -> None:  # on the generation thread
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody waits for this request any more
+            self.job.cancel.set()
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self.events.get()
+            if isinstance(event, Token) and self.first_token_s is None:
+                self.first_token_s = time.perf_counter() - self.arrived
+            yield event
+            if isinstance(event, Done | Failed):
+                return
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.arrived
+
+    def cancel(self) -> None:
+        self.worker.cancel(self.job)
+
+    async def collect(self, request: Request) -> tuple[list[Token], Done]:
+        """All events of a non-streaming request; a client that leaves cancels it."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, self))
+        tokens: list[Token] = []
+        done: Done | None = None
+        try:
+            async for event in self:
+                if isinstance(event, Token):
+                    tokens.append(event)
+                elif isinstance(event, Failed):
+                    raise APIError(500, f"generation failed: {event.message}", type="server_error")
+                else:
+                    done = event
+        finally:
+            watcher.cancel()
+            if done is None:  # this handler was cancelled (shutdown): stop the generation too
+                self.cancel()
+        assert done is not None
+        return tokens, done
+
+
+async def _cancel_on_disconnect(request: Request, pending: Pending) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            log.info("client left; cancelling its request")
+            pending.cancel()
+            return
+
+
+def sse(data: dict | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"

@@ -1,0 +1,103 @@
+"""Log-probabilities of sampled tokens, and the text and bytes of single tokens.
+
+Logprobs are taken from the model's raw distribution (log-softmax of the logits before
+temperature and top-k/top-p), as vLLM reports them, so a greedy token is always the top entry.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+# JSON has no -Infinity; the OpenAI API reports a token with no mass like this
+FLOOR = -9999.0
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # most likely tokens at this step, best first
+
+
+def token_logprob(logits: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
+    """The sampled token's logprob and the `n_top` most likely alternatives; logits [V]."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if n_top:
+        values, ids = torch.topk(lp, min(n_top, lp.shape[-1]))
+        top = [(int(i), _finite(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return TokenLogprob(token, _finite(float(lp[token])), top)
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else FLOOR
+
+
+class TokenStrings:
+    """Decoded text and raw UTF-8 bytes of one token id (a token may hold part of a character)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tok = tokenizer
+        self._byte_level = _is_byte_level(tokenizer)
+        if self._byte_level:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self._decoder = {c: b for b, c in bytes_to_unicode().items()}
+        self.text = lru_cache(maxsize=65536)(self._text)
+        self.bytes = lru_cache(maxsize=65536)(self._bytes)
+
+    def _text(self, token: int) -> str:
+        return self.tok.decode([token], skip_special_tokens=False)
+
+    def _bytes(self, token: int) -> bytes:
+        piece = self.tok.convert_ids_to_tokens(token)
+        if isinstance(piece, str):
+            m = _BYTE_TOKEN.fullmatch(piece)
+            if m:
+                return bytes([int(m.group(1), 16)])
+            if self._byte_level and all(c in self._decoder for c in piece):
+                return bytes(self._decoder[c] for c in piece)
+        return self._text(token).encode("utf-8")
+
+    def chat_entry(self, lp: TokenLogprob) -> dict:
+        """One element of `choices[].logprobs.content` (chat completions)."""
+        return {
+            **self._one(lp.token, lp.logprob),
+            "top_logprobs": [self._one(t, v) for t, v in lp.top],
+        }
+
+    def _one(self, token: int, logprob: float) -> dict:
+        return {"token": self.text(token), "logprob": logprob, "bytes": list(self.bytes(token))}
+
+
+def legacy_logprobs(strings: TokenStrings, entries: list[TokenLogprob], offset: int) -> dict:
+    """The `logprobs` object of /v1/completions; text offsets start at `offset`."""
+    tokens, offsets = [], []
+    for e in entries:
+        text = strings.text(e.token)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{strings.text(t): v for t, v in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _is_byte_level(tokenizer: PreTrainedTokenizerBase) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(p.get("type") == "ByteLevel" for p in parts)
