@@ -30,22 +30,99 @@ SERVED_K = 4
 def stages(work: Path) -> list[tuple[str, Path, list[str]]]:
     teacher, model = work / "teacher", work / "model"
     return [
-        ("teacher", teacher / "model.safetensors",
-         ["train", "teacher", str(teacher), "--steps", "1200", "--batch", "8", "--seq-len", "256",
-          "--save-every", "25"]),
+        (
+            "teacher",
+            teacher / "model.safetensors",
+            [
+                "train",
+                "teacher",
+                str(teacher),
+                "--steps",
+                "1200",
+                "--batch",
+                "8",
+                "--seq-len",
+                "256",
+                "--save-every",
+                "25",
+            ],
+        ),
         ("convert", model / "edge0.json", ["convert", str(teacher), str(model)]),
-        ("heads", model / "prerouter.safetensors",
-         ["train", "heads", str(model), "--data", "stdlib", "--top-k", str(SERVED_K),
-          "--tokens", "120000", "--heldout-tokens", "24000", "--epochs", "6"]),
-        ("sft", model / "lora-phase2.safetensors",
-         ["train", "sft", str(model), "--teacher", str(teacher), "--top-k", str(SERVED_K),
-          "--samples", "2048", "--gen-len", "96", "--steps", "400", "--batch", "16"]),
-        ("opd", model / modeldir.LORA_FILE,
-         ["train", "opd", str(model), "--teacher", str(teacher), "--top-k", str(SERVED_K),
-          "--steps", "120", "--batch", "8", "--gen-len", "64"]),
-        ("eval", work / "eval.json",
-         ["eval", str(model), "--teacher", str(teacher), "--top-k", str(SERVED_K),
-          "--windows", "64", "--json", str(work / "eval.json")]),
+        (
+            "heads",
+            model / "prerouter.safetensors",
+            [
+                "train",
+                "heads",
+                str(model),
+                "--data",
+                "stdlib",
+                "--top-k",
+                str(SERVED_K),
+                "--tokens",
+                "120000",
+                "--heldout-tokens",
+                "24000",
+                "--epochs",
+                "6",
+            ],
+        ),
+        (
+            "sft",
+            model / "lora-phase2.safetensors",
+            [
+                "train",
+                "sft",
+                str(model),
+                "--teacher",
+                str(teacher),
+                "--top-k",
+                str(SERVED_K),
+                "--samples",
+                "2048",
+                "--gen-len",
+                "96",
+                "--steps",
+                "400",
+                "--batch",
+                "16",
+            ],
+        ),
+        (
+            "opd",
+            model / modeldir.LORA_FILE,
+            [
+                "train",
+                "opd",
+                str(model),
+                "--teacher",
+                str(teacher),
+                "--top-k",
+                str(SERVED_K),
+                "--steps",
+                "120",
+                "--batch",
+                "8",
+                "--gen-len",
+                "64",
+            ],
+        ),
+        (
+            "eval",
+            work / "eval.json",
+            [
+                "eval",
+                str(model),
+                "--teacher",
+                str(teacher),
+                "--top-k",
+                str(SERVED_K),
+                "--windows",
+                "64",
+                "--json",
+                str(work / "eval.json"),
+            ],
+        ),
     ]
 
 
@@ -60,12 +137,18 @@ def ship(work: Path, timings: dict) -> None:
                 shutil.copy2(f, dst / f.name)
     manifest = modeldir.Manifest.load(work / "model")
     manifest.source = {"teacher": "../teacher", "built_by": "make builtin-model"}
+    manifest.served_top_k = SERVED_K
+
     manifest.files = {p.name: sha256_file(p) for p in sorted(dst_model.iterdir()) if p.is_file()}
     manifest.save(dst_model)
     sizes = {d.name: sum(p.stat().st_size for p in d.iterdir()) for d in (dst_model, dst_teacher)}
-    record = {"stages_s": timings, "bytes": sizes, "total_bytes": sum(sizes.values()),
-              "teacher_files": {p.name: sha256_file(p) for p in sorted(dst_teacher.iterdir())},
-              "eval": json.loads((work / "eval.json").read_text())}
+    record = {
+        "stages_s": timings,
+        "bytes": sizes,
+        "total_bytes": sum(sizes.values()),
+        "teacher_files": {p.name: sha256_file(p) for p in sorted(dst_teacher.iterdir())},
+        "eval": json.loads((work / "eval.json").read_text()),
+    }
     (builtin.ROOT / "BUILD.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -110,9 +110,10 @@ class Engine:
         self.path = Path(model_dir)
         self.manifest, self.model = load_edge0_model(self.path, opts.dtype, experts="streaming")
         self.config = cfg = self.model.config
-        if opts.top_k is not None:
-            self.model.set_top_k(opts.top_k)
-        self.top_k = opts.top_k or cfg.num_experts_per_tok
+        self.top_k = opts.top_k or self.manifest.served_top_k or cfg.num_experts_per_tok
+        if self.top_k != cfg.num_experts_per_tok:
+            self.model.set_top_k(self.top_k)
+
         self.tokenizer = load_tokenizer(self.path)
         self.eos = eos_ids(self.path, self.tokenizer)
         self.moe_layers = self.model.moe_layers

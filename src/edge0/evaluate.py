@@ -65,7 +65,7 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
         ("teacher (full precision, native K)", lambda t: teacher(t)),
         (f"int4, native routing, native K={native.top_k}", lambda t: native.forward(t, 1)),
     ]
-    served_k = cfg.top_k or native.top_k
+    served_k = cfg.top_k or modeldir.Manifest.load(model_dir).served_top_k or native.top_k
     if served_k != native.top_k:
         served = load_student(model_dir, top_k=served_k, heads=False)
         out.append((f"int4, native routing, served K={served_k}", lambda t: served.forward(t, 1)))

@@ -35,6 +35,8 @@ class Manifest:
     source: dict
     created: str
     files: dict = field(default_factory=dict)
+    served_top_k: int | None = None  # experts per token served by default (None: native)
+
 
     @classmethod
     def new(

@@ -114,7 +114,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
     manifest = modeldir.Manifest.load(model_dir)
     table, extent, meta = read_table(model_dir / EXPERTS_FILE)
     expert_bytes = sum(t.count for t in table.values()) * extent
-    k = cfg.top_k or manifest.native_top_k
+    k = cfg.top_k or manifest.served_top_k or manifest.native_top_k
     if any(a not in ARMS for a in cfg.arms):
         raise ValueError(f"--arms: choose from {', '.join(ARMS)}")
     capped = [a for a in cfg.arms if a != "resident"]
@@ -122,11 +122,12 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
         raise PermissionError("memory caps need root and cgroup v1 (/sys/fs/cgroup/memory)")
     floor = (model_dir / modeldir.RESIDENT_FILE).stat().st_size * 2  # bf16 on disk, fp32 in memory
     pool = cfg.expert_cache or cfg.memory_cap - floor - RUNTIME_RESERVE
-    if capped and pool < 2 * len(table) * k * extent:
+    staging = (len(table) + 1) * k * extent  # every consumer staged + one layer read exactly
+    if capped and pool < staging:
         raise ValueError(
             f"--memory-cap {memory.format_bytes(cfg.memory_cap)} leaves "
             f"{memory.format_bytes(pool)} for experts; staging needs about "
-            f"{memory.format_bytes(2 * len(table) * k * extent)}"
+            f"{memory.format_bytes(staging)}"
         )
     tokens = replay_tokens(model_dir, 1 + cfg.warmup + cfg.tokens)
     bandwidth = disk_bandwidth(model_dir / EXPERTS_FILE, extent)
