@@ -491,9 +491,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         ids = load_tokenizer(model_dir).encode(args.prompt)
         lora_path = args.lora or model_dir / "lora.safetensors"
-        r = evaluate.lora_retention(
-            model_dir, lora_path, ids, top_k=args.top_k, heads=args.prerouter
-        )
+        from edge0 import modeldir
+
+        k = args.top_k or modeldir.Manifest.load(model_dir).served_top_k
+        r = evaluate.lora_retention(model_dir, lora_path, ids, top_k=k, heads=args.prerouter)
+
         print(evaluate.retention_table(r))
         if args.json:
             evaluate.dump(r, args.json)
