@@ -46,6 +46,11 @@ class BenchConfig:
     threads: int | None = None
 
 
+def base(arm: str) -> str:
+    """'resident+nolora' -> 'resident': an arm, optionally served without the LoRA."""
+    return arm.partition("+")[0]
+
+
 def disk_bandwidth(path: Path, extent: int, reads: int = 48) -> float:
     """Cold O_DIRECT bytes/s for random extent-sized reads of this file."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -115,9 +120,9 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
     table, extent, meta = read_table(model_dir / EXPERTS_FILE)
     expert_bytes = sum(t.count for t in table.values()) * extent
     k = cfg.top_k or manifest.served_top_k or manifest.native_top_k
-    if any(a not in ARMS for a in cfg.arms):
-        raise ValueError(f"--arms: choose from {', '.join(ARMS)}")
-    capped = [a for a in cfg.arms if a != "resident"]
+    if any(base(a) not in ARMS or a.partition("+")[2] not in ("", "nolora") for a in cfg.arms):
+        raise ValueError(f"--arms: choose from {', '.join(ARMS)}, each optionally +nolora")
+    capped = [a for a in cfg.arms if base(a) != "resident"]
     if capped and not cgroup.available():
         raise PermissionError("memory caps need root and cgroup v1 (/sys/fs/cgroup/memory)")
     floor = (model_dir / modeldir.RESIDENT_FILE).stat().st_size * 2  # bf16 on disk, fp32 in memory
@@ -149,12 +154,12 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
                     "warmup": cfg.warmup,
                     "io_mode": cfg.io_mode,
                     "io_threads": cfg.io_threads,
-                    "expert_cache": None if arm == "resident" else pool,
+                    "expert_cache": None if base(arm) == "resident" else pool,
                     "prerouter": str(heads),
                     "threads": cfg.threads,
                 }
                 results[arm].append(
-                    run_arm(spec, None if arm == "resident" else cfg.memory_cap, Path(tmp))
+                    run_arm(spec, None if base(arm) == "resident" else cfg.memory_cap, Path(tmp))
                 )
     return summarize(results, cfg, k, bandwidth, expert_bytes, pool, meta, notes)
 

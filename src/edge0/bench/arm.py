@@ -20,7 +20,7 @@ from edge0.engine import Engine, EngineOptions
 
 
 def run(spec: dict) -> dict:
-    arm = spec["arm"]
+    arm, _, variant = spec["arm"].partition("+")
     opts = EngineOptions(
         top_k=spec["top_k"],
         expert_cache=spec.get("expert_cache"),
@@ -28,6 +28,7 @@ def run(spec: dict) -> dict:
         io_threads=spec["io_threads"],
         no_prerouter=arm != "prerouter",
         prerouter=Path(spec["prerouter"]) if arm == "prerouter" else None,
+        no_lora=variant == "nolora",
     )
     engine = Engine(spec["model_dir"], opts)
     tokens = spec["tokens"]
@@ -53,7 +54,7 @@ def run(spec: dict) -> dict:
     d = engine.pool.stats.minus(pool0)
     n = len(times)
     out = {
-        "arm": arm,
+        "arm": spec["arm"],
         "steps": n,
         "step_s": times,
         "decode_tok_s": n / sum(times),
