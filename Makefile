@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: $(STAMP)
-	$(PY) -m edge0.demo
+	$(VENV)/bin/edge0 generate --prompt 'def read_config(path):' --max-tokens 96
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -2,7 +2,7 @@
 
 `edge0/builtin/model` is an edge0 directory (int4 experts, prerouter heads, recovery LoRA);
 `edge0/builtin/teacher` is the full-precision (bf16) Hugging Face model it was made from.
-Both are built from scratch by `make builtin-model` (scripts/build_builtin.sh); see
+Both are built from scratch by `make builtin-model` (`python -m edge0.builtin_build`); see
 docs/builtin-model.md for what they are and how well they do.
 """
 

@@ -263,25 +263,26 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def config_from_args(cls, args: argparse.Namespace, **renamed: str):
+    """A training config dataclass filled from the same-named CLI arguments.
+
+    `renamed` maps a config field to a differently named argument (field="arg").
+    """
+    import dataclasses
+
+    values = {}
+    for f in dataclasses.fields(cls):
+        arg = renamed.get(f.name, f.name)
+        if hasattr(args, arg):
+            values[f.name] = getattr(args, arg)
+    return cls(**values)
+
+
 def cmd_train_teacher(args: argparse.Namespace) -> int:
     from edge0.train.teacher import TeacherConfig, train_teacher
 
-    cfg = TeacherConfig(
-        steps=args.steps,
-        batch=args.batch,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        seed=args.seed,
-        layers=args.layers,
-        hidden=args.hidden,
-        experts=args.experts,
-        top_k=args.native_top_k,
-        expert_width=args.expert_width,
-        vocab=args.vocab,
-        save_every=args.save_every,
-        data=tuple(args.data),
-    )
-
+    cfg = config_from_args(TeacherConfig, args, top_k="native_top_k")
+    cfg.data = tuple(args.data)
     summary = train_teacher(args.out_dir, cfg, progress=not args.quiet)
     print(
         f"teacher in {args.out_dir}: {summary['steps']} steps, "
@@ -294,16 +295,7 @@ def cmd_train_teacher(args: argparse.Namespace) -> int:
 def cmd_train_heads(args: argparse.Namespace) -> int:
     from edge0.train.heads import HeadsConfig, train_heads
 
-    cfg = HeadsConfig(
-        top_k=args.top_k,
-        width=args.width,
-        start_layer=args.start_layer,
-        train_tokens=args.tokens,
-        heldout_tokens=args.heldout_tokens,
-        epochs=args.epochs,
-        lr=args.lr,
-        seed=args.seed,
-    )
+    cfg = config_from_args(HeadsConfig, args, train_tokens="tokens")
     out = args.out or args.model_dir / "prerouter.safetensors"
     report = train_heads(args.model_dir, args.data, out, cfg, progress=not args.quiet)
     print(f"wrote {out} (K={report['K']}); held-out top-{report['K']} recall per consumer layer:")
@@ -319,18 +311,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 def cmd_train_sft(args: argparse.Namespace) -> int:
     from edge0.train.sft import SFTConfig, train_sft
 
-    cfg = SFTConfig(
-        top_k=args.top_k,
-        rank=args.rank,
-        alpha=args.alpha,
-        samples=args.samples,
-        prompt_len=args.prompt_len,
-        gen_len=args.gen_len,
-        steps=args.steps,
-        batch=args.batch,
-        lr=args.lr,
-        seed=args.seed,
-    )
+    cfg = config_from_args(SFTConfig, args)
     out = args.out or args.model_dir / "lora-phase2.safetensors"
     r = train_sft(
         args.model_dir,
@@ -352,16 +333,8 @@ def cmd_train_opd(args: argparse.Namespace) -> int:
     from edge0 import modeldir
     from edge0.train.opd import OPDConfig, train_opd
 
-    cfg = OPDConfig(
-        top_k=args.top_k,
-        prompt_len=args.prompt_len,
-        gen_len=args.gen_len,
-        batch=args.batch,
-        steps=args.steps,
-        lr=args.lr,
-        teacher_topk=args.teacher_topk,
-        seed=args.seed,
-    )
+    cfg = config_from_args(OPDConfig, args)
+
     init = args.init or args.model_dir / "lora-phase2.safetensors"
     out = args.out or args.model_dir / modeldir.LORA_FILE
     r = train_opd(

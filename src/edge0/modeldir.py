@@ -37,7 +37,6 @@ class Manifest:
     files: dict = field(default_factory=dict)
     served_top_k: int | None = None  # experts per token served by default (None: native)
 
-
     @classmethod
     def new(
         cls,
