@@ -192,6 +192,9 @@ def test_pool_never_exceeds_its_budget(tmp_path):
     assert not bad
     assert 0 < peak[0] <= budget
     assert pool.stats.evictions > 0  # the budget was actually binding
+    # the O(1) count of evictable slots agrees with a full scan after all that churn
+    scan = len(pool._free) + sum(1 for e in pool._entries.values() if e.pins == 0)
+    assert pool.available() == scan == pool.num_slots
     pool.close()
 
 

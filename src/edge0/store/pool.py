@@ -99,6 +99,7 @@ class ExpertPool:
         ]
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._entries: OrderedDict[tuple[int, int], Entry] = OrderedDict()  # LRU first
+        self._pinned = 0  # entries with pins > 0, so available() is O(1)
         self._lock = threading.Lock()
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="edge0-io")
         self.read_delay_s = read_delay_s  # a fixed extra latency per read, for tests
@@ -115,7 +116,7 @@ class ExpertPool:
     def available(self) -> int:
         """Slots that a request could take (free, or held by unpinned entries)."""
         with self._lock:
-            return len(self._free) + sum(1 for e in self._entries.values() if e.pins == 0)
+            return len(self._free) + len(self._entries) - self._pinned
 
     def is_resident(self, layer: int, expert: int) -> bool:
         with self._lock:
@@ -134,22 +135,29 @@ class ExpertPool:
         wanted = set(keys)
         while True:
             with self._lock:
-                needed = sum(1 for k in wanted if k not in self._entries)
-                spare = [
-                    en for en in self._entries.values() if en.pins == 0 and en.key not in wanted
-                ]
-                if needed > len(self._free) + len(spare):
-                    raise PoolExhausted(
-                        f"layer {layer} needs {needed} more expert slots; the pool has "
-                        f"{self.num_slots} ({self.capacity_bytes} bytes) and the rest are pinned. "
-                        "Raise --memory-budget / --expert-cache."
-                    )
-                short = needed - len(self._free) - sum(1 for en in spare if en.future.done())
+                short = sum(1 for k in wanted if k not in self._entries) - len(self._free)
+                # Evictable entries, oldest first, only as many as needed: a request must cost
+                # O(K), not O(pool), or a pool holding every expert slows every step.
+                inflight = []
+                for en in self._entries.values():
+                    if short <= 0:
+                        break
+                    if en.pins == 0 and en.key not in wanted:
+                        if en.future.done():
+                            short -= 1
+                        else:
+                            inflight.append(en.future)
                 if short <= 0:
                     out, missing = self._pin(keys)
                     break
+                if short > len(inflight):
+                    raise PoolExhausted(
+                        f"layer {layer} needs {short - len(inflight)} more expert slots; the "
+                        f"pool has {self.num_slots} ({self.capacity_bytes} bytes) and the rest "
+                        "are pinned. Raise --memory-budget / --expert-cache."
+                    )
                 # only unpinned reads still in flight can make room: wait for them, unlocked
-                inflight = [en.future for en in spare if not en.future.done()][:short]
+                inflight = inflight[:short]
             for fut in inflight:
                 fut.exception()
         missing.sort(key=lambda en: en.key[1])
@@ -168,6 +176,7 @@ class ExpertPool:
             if entry is not None:
                 self._entries.move_to_end(key)
                 self.stats.hits += 1
+                self._pinned += entry.pins == 0
                 entry.pins += 1
                 found[key] = entry
         missing = []
@@ -182,6 +191,7 @@ class ExpertPool:
                     pins=1,
                 )
                 self._entries[key] = found[key] = entry
+                self._pinned += 1
                 missing.append(entry)
         return [found[k] for k in keys], missing
 
@@ -238,6 +248,7 @@ class ExpertPool:
         with self._lock:
             if self._entries.get(entry.key) is entry:
                 del self._entries[entry.key]
+                self._pinned -= entry.pins > 0
                 entry.pins = 0
                 self._free.append(entry.slot)
 
@@ -247,6 +258,7 @@ class ExpertPool:
             for en in entries:
                 if en.pins > 0:
                     en.pins -= 1
+                    self._pinned -= en.pins == 0
 
     def clear(self) -> None:
         """Drop every unpinned entry (waits for reads in flight first)."""
