@@ -211,9 +211,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.keep:
             scratch.unlink(missing_ok=True)
         return 0
-    if args.model_dir is None:
-        raise ValueError("edge0 bench needs MODEL_DIR (or --kernels, or --io DIR)")
     from edge0.bench.ab import BenchConfig, report, run_bench
+
+    model_dir = args.model_dir or default_model_dir()
 
     cfg = BenchConfig(
         arms=tuple(a.strip() for a in args.arms.split(",")),
@@ -227,7 +227,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prerouter=args.prerouter,
         threads=args.threads,
     )
-    summary = run_bench(args.model_dir, cfg)
+    summary = run_bench(model_dir, cfg)
+
     print(report(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
@@ -237,17 +238,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_synth(args: argparse.Namespace) -> int:
     from edge0.synth import Shape, synth
 
-    shape = Shape(
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        experts=args.experts,
-        top_k=args.native_top_k,
-        expert_width=args.expert_width,
-        vocab=args.vocab,
-    )
+    shape = config_from_args(Shape, args, top_k="native_top_k")
+
     out = synth(
         args.out_dir,
         shape,

@@ -26,6 +26,11 @@ from edge0.store.extents import ExtentLayout
 from edge0.store.writer import StreamingSafetensors
 
 STD = 0.02  # HF initializer_range
+# With every weight at STD, random layers push all tokens' hidden states towards one shared
+# direction and routing collapses: 6-14 of 128 experts per layer over 40 tokens of text. A
+# trained model routes each token on its own. An embedding that dominates the residual stream
+# keeps the routing token-dependent, so a decode bench reads what a real model would read.
+EMBED_STD = 1.0
 
 
 @dataclass
@@ -85,7 +90,8 @@ def _resident_specs(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
 def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
-    return (torch.randn(shape, generator=gen) * STD).to(torch.bfloat16)
+    std = EMBED_STD if name == "model.embed_tokens.weight" else STD
+    return (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
 
 
 def random_extent(layout: ExtentLayout, gen: torch.Generator) -> torch.Tensor:

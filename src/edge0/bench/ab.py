@@ -28,7 +28,11 @@ from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
 
 ARMS = ("prerouter", "ondemand", "resident")
-RUNTIME_RESERVE = 600 << 20  # torch, tokenizer, Python: measured ~350-450 MiB anonymous
+# Anonymous memory beyond the floor and the pool, on the 32-layer 2048-wide synthetic model:
+# 0.36 GiB after load (torch, tokenizer, Python, malloc's retained heap), 0.11 GiB more
+# while decoding, plus the prerouter's heads (0.15 GiB in fp32 at that shape). With 600 MiB
+# the prerouter arm was OOM-killed under a 3.3 GiB cap once routing touched the whole pool.
+RUNTIME_RESERVE = 1 << 30
 
 
 @dataclass
@@ -82,7 +86,7 @@ def replay_tokens(model_dir: Path, n: int) -> list[int]:
     raise ValueError("the held-out corpus is shorter than the requested replay")
 
 
-def warm_start_heads(model_dir: Path, out: Path) -> Path:
+def warm_start_heads(model_dir: Path, out: Path, k: int) -> Path:
     """Untrained heads (the next router applied to the current state) for a model without any:
     for speed, what matters is that the prediction is the routing, not its accuracy."""
     from edge0.loader import load_edge0_model
@@ -92,7 +96,7 @@ def warm_start_heads(model_dir: Path, out: Path) -> Path:
     cfg = model.config
     pre = Prerouter(Wiring.default(model.moe_layers), cfg.hidden_size, cfg.num_experts)
     pre.warm_start({c: model.moe_block(c).gate.weight for c in pre.wiring.consumers})
-    pre.save(out, {"model": model_dir.name, "K": "0", "phase": "warm-start"})
+    pre.save(out, {"model": model_dir.name, "K": str(k), "phase": "warm-start"})
     return out
 
 
@@ -108,7 +112,11 @@ def run_arm(spec: dict, cap: int | None, workdir: Path) -> dict:
         res = cgroup.run_capped(cmd, cap)
         usage, code, err = res.max_usage_bytes, res.returncode, res.stderr
     if code != 0:
-        raise RuntimeError(f"bench arm {spec['arm']} failed (exit {code}):\n{err[-2000:]}")
+        why = f"exit {code}"
+        if code == -9 and cap is not None:
+            why += f": killed, most likely by the {memory.format_bytes(cap)} memory cap"
+        raise RuntimeError(f"bench arm {spec['arm']} failed ({why}):\n{err[-2000:]}")
+
     result = json.loads(out_path.read_text())
     result["cgroup_max_usage_bytes"] = usage
     return result
@@ -134,6 +142,12 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
             f"{memory.format_bytes(pool)} for experts; staging needs about "
             f"{memory.format_bytes(staging)}"
         )
+    if "resident" in map(base, cfg.arms) and expert_bytes + floor > memory.mem_available():
+        raise ValueError(
+            f"the resident arm needs every expert in memory ({memory.format_bytes(expert_bytes)}"
+            f" + floor {memory.format_bytes(floor)}), more than the "
+            f"{memory.format_bytes(memory.mem_available())} available; drop it from --arms"
+        )
     tokens = replay_tokens(model_dir, 1 + cfg.warmup + cfg.tokens)
     bandwidth = disk_bandwidth(model_dir / EXPERTS_FILE, extent)
     results: dict[str, list[dict]] = {a: [] for a in cfg.arms}
@@ -141,7 +155,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="edge0-bench-") as tmp:
         heads = cfg.prerouter or model_dir / modeldir.PREROUTER_FILE
         if "prerouter" in cfg.arms and not heads.exists():
-            heads = warm_start_heads(model_dir, Path(tmp) / "warm.safetensors")
+            heads = warm_start_heads(model_dir, Path(tmp) / "warm.safetensors", k)
             notes.append("no prerouter.safetensors: the prerouter arm used warm-start heads")
         for r in range(cfg.rounds):
             order = list(cfg.arms[r % len(cfg.arms) :]) + list(cfg.arms[: r % len(cfg.arms)])
@@ -154,7 +168,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
                     "warmup": cfg.warmup,
                     "io_mode": cfg.io_mode,
                     "io_threads": cfg.io_threads,
-                    "expert_cache": None if base(arm) == "resident" else pool,
+                    "expert_cache": expert_bytes if base(arm) == "resident" else pool,
                     "prerouter": str(heads),
                     "threads": cfg.threads,
                 }
