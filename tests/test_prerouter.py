@@ -123,7 +123,9 @@ def test_staged_decode_equals_the_same_routing_computed_exactly(dirs):
 
 
 def test_zero_drops_over_a_long_generation(dirs):
-    engine = Engine(dirs["pre"], EngineOptions(expert_cache=12 * 8192))
+    # the smallest pool that stages every consumer: (layers + 1) * K slots
+    engine = Engine(dirs["pre"], EngineOptions(expert_cache=(LAYERS + 1) * 2 * 8192))
+
     try:
         g = engine.generate(prompt(engine), 160, SamplingParams(temperature=0.8, seed=3))
         s = g.stats
@@ -159,7 +161,10 @@ def test_request_outputs_do_not_depend_on_earlier_requests(dirs):
 
 def run_arm(path, no_prerouter: bool, tokens: list[int], ids: list[int]) -> dict:
     opts = EngineOptions(
-        no_prerouter=no_prerouter, read_delay_s=0.02, io_threads=16, expert_cache=12 * 8192
+        no_prerouter=no_prerouter,
+        read_delay_s=0.02,
+        io_threads=16,
+        expert_cache=(LAYERS + 1) * 2 * 8192,
     )
     engine = Engine(path, opts)
     try:

@@ -190,3 +190,10 @@ class StackedHeads:
         return (
             torch.bmm(hidden, self.w2.transpose(1, 2)) + torch.bmm(x, self.w0.transpose(1, 2))
         ).float()
+
+    @torch.no_grad()
+    def one(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Head i alone: x [T, D+2E] -> logits [T, E] (fp32); the same math as __call__."""
+        x = x.to(self.w1.dtype)
+        hidden = F.gelu(x @ self.w1[i].T, approximate="none")
+        return (hidden @ self.w2[i].T + x @ self.w0[i].T).float()

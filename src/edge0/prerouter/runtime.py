@@ -1,15 +1,19 @@
-"""Prediction-as-routing at decode: per-request head features and the one flush per token.
+"""Prediction-as-routing at decode: per-request head features, staging one token ahead.
 
 During every forward the engine's Forward object calls `observe` for each MoE layer; owner
 layers keep their last MoE input and the experts they executed (at this token and at the
-previous one). After the logits of token t, `flush` evaluates every head in one batch, turns
-each prediction into the consumer's top-K with the consumer's own routing function, and hands
-every expert that is not resident to the I/O threads at once (pinning the staged set). At
-token t+1 each consumer routes by `predicted[consumer]`, so the experts it runs are exactly
-the experts staged for it.
+previous one). At a decode step, as soon as owner layer o has run at token t, its head is
+evaluated, the prediction is turned into its consumer's top-K with the consumer's own
+routing function, and every expert of that set that is not resident goes to the I/O threads
+(pinned). Reads for token t+1 thus start while layers o+1.. of token t still compute: a
+read has a whole token of compute to hide behind, not just the layers before its consumer.
+After the logits, `flush` makes these the current predictions and staged sets. At token t+1
+each consumer routes by `predicted[consumer]`, so the experts it runs are exactly the
+experts staged for it.
 
-First decode token: the heads run on the last prompt position at the end of prefill, so every
-generated token, the first included, is prediction-routed, as in training.
+First decode token: the heads run on the last prompt position at the end of prefill (all in
+one batch, since prefill keeps the pool busy with whole-layer reads), so every generated
+token, the first included, is prediction-routed, as in training.
 
 The same object drives batched student generation in training (`rows` sequences decoding in
 lockstep, no pool): features and predictions are then kept per row.
@@ -56,6 +60,12 @@ class PrerouterRuntime:
         self.stats = PrerouterStats()
         self.predicted: dict[int, torch.Tensor] = {}
         self.staged: dict[int, list[Entry]] = {}
+        # staged during the current decode step, for the next one
+        self._next_predicted: dict[int, torch.Tensor] = {}
+        self._next_staged: dict[int, list[Entry]] = {}
+        self._consumers_of: dict[int, list[int]] = {}
+        for c in self.consumers:
+            self._consumers_of.setdefault(self.wiring.owner_of[c], []).append(c)
         self._h: dict[int, torch.Tensor] = {}
         self._executed: dict[int, torch.Tensor] = {}
         self._previous: dict[int, torch.Tensor] = {}
@@ -64,10 +74,12 @@ class PrerouterRuntime:
     def reset(self, rows: int = 1) -> None:
         """Forget the request: features, predictions, and the pins of staged experts."""
         self.rows = rows
-        for entries in self.staged.values():
-            self.pool.release(entries)
-        self.staged.clear()
+        for staged in (self.staged, self._next_staged):
+            for entries in staged.values():
+                self.pool.release(entries)
+            staged.clear()
         self.predicted.clear()
+        self._next_predicted.clear()
         self._h.clear()
         self._executed.clear()
         self._previous.clear()
@@ -86,13 +98,54 @@ class PrerouterRuntime:
             self._previous[layer] = self._executed.get(layer, torch.zeros(rows, e))
         self._executed[layer] = topk_onehot(idx[:, -1], e)
         self._h[layer] = h.view(rows, -1, h.shape[-1])[:, -1].detach()
+        if self.pool is not None and rows == 1 and idx.shape[1] == 1:
+            self._stage_ahead(layer)
+
+    @torch.no_grad()
+    def _stage_ahead(self, owner: int) -> None:
+        """Decode: this owner's head now, and its consumers' reads for the next token."""
+        t0 = time.perf_counter_ns()
+        x = features(self._h[owner], self._executed[owner], self._previous[owner])  # [1, D+2E]
+        logits = self.heads.one(self._row[owner], x)  # [1, E]
+        chosen = {}
+        for c in self._consumers_of.get(owner, []):
+            self._next_predicted[c] = logits
+            chosen[c] = sorted(self.blocks[c].select(logits)[1][0].tolist())
+        self.stats.head_ns += time.perf_counter_ns() - t0
+        # The owner's own experts are about to run: staged and pinned already if it is a
+        # consumer; otherwise it reads them now and needs room. Staging every consumer one
+        # token ahead thus pins about (layers + 1) * K slots at most.
+        reserve = 0 if owner in self.staged else len(self._executed[owner].nonzero())
+        for c, experts in chosen.items():
+            self._stage(c, experts, self._next_staged, reserve)
 
     def take(self, consumer: int) -> list[Entry]:
         return self.staged.pop(consumer, [])
 
+    def _stage(
+        self, consumer: int, experts: list[int], into: dict[int, list[Entry]], reserve: int = 0
+    ) -> None:
+        """Pin and start reading `experts` for `consumer`, if `reserve` slots stay free."""
+        if self.pool.available() < len(experts) + reserve:
+            self.stats.unstaged += 1
+            return
+        into[consumer] = self.pool.request(consumer, experts)
+        self.stats.staged += len(experts)
+
     @torch.no_grad()
     def flush(self) -> None:
-        """After a token's logits: predict every consumer's experts and start their reads."""
+        """After a token's logits: the predictions for the next token become current.
+
+        At decode they were made (and their reads started) layer by layer during the forward;
+        after prefill, or in training, every head runs here in one batch.
+        """
+        if len(self._next_predicted) == len(self.consumers):
+            for entries in self.staged.values():  # consumers that did not run (none normally)
+                self.pool.release(entries)
+            self.predicted, self._next_predicted = self._next_predicted, {}
+            self.staged, self._next_staged = self._next_staged, {}
+            self.stats.flushes += 1
+            return
         t0 = time.perf_counter_ns()
         x = torch.stack(
             [features(self._h[o], self._executed[o], self._previous[o]) for o in self.owners]
@@ -110,10 +163,5 @@ class PrerouterRuntime:
         }
         self.stats.head_ns += time.perf_counter_ns() - t0
         self.stats.flushes += 1
-        for c in self.consumers:
-            # in layer order: the earliest consumers need their bytes first
-            if self.pool.available() < len(chosen[c]):
-                self.stats.unstaged += 1
-                continue
-            self.staged[c] = self.pool.request(c, chosen[c])
-            self.stats.staged += len(chosen[c])
+        for c in self.consumers:  # in layer order: the earliest consumers need bytes first
+            self._stage(c, chosen[c], self.staged)
