@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from edge0.models.base import Forward
+
 TEXT = (
     "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
     "        self.x = x\n        self.y = y\n\nimport os\nprint(os.path.join('a', 'b'))\n"
@@ -81,3 +83,28 @@ def make_hf_model(
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def greedy_ours(model, prompt: torch.Tensor, steps: int) -> list[int]:
+    """Greedy decode through our model and its cache (prompt [T] -> new ids)."""
+    cache = model.new_cache()
+    logits = model(prompt[None], Forward(cache), last_only=True)
+    out = []
+    for _ in range(steps):
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        logits = model(torch.tensor([[tok]]), Forward(cache), last_only=True)
+    return out
+
+
+def greedy_hf(hf, prompt: torch.Tensor, steps: int) -> list[int]:
+    """transformers' generate(), greedy, exactly `steps` new tokens."""
+    out = hf.generate(
+        prompt[None],
+        max_new_tokens=steps,
+        do_sample=False,
+        min_new_tokens=steps,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, prompt.shape[0] :].tolist()

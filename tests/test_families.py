@@ -21,10 +21,9 @@ from edge0.convert import convert
 from edge0.engine import Engine, EngineOptions
 from edge0.loader import load_edge0_model, load_hf_model
 from edge0.models import FAMILIES
-from edge0.models.base import Forward
 from edge0.routing import sigmoid_group
 from edge0.sampling import SamplingParams
-from helpers import tiny_tokenizer
+from helpers import greedy_hf, greedy_ours, tiny_tokenizer
 
 VOCAB = 384
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -156,29 +155,6 @@ CASES = {
         dict(kda_safe_gate=False, q_lora_rank=48, first_k_dense_replace=0),
     ),
 }
-
-
-def greedy_ours(model, prompt: torch.Tensor, steps: int) -> list[int]:
-    cache = model.new_cache()
-    logits = model(prompt[None], Forward(cache), last_only=True)
-    out = []
-    for _ in range(steps):
-        tok = int(logits[0, -1].argmax())
-        out.append(tok)
-        logits = model(torch.tensor([[tok]]), Forward(cache), last_only=True)
-    return out
-
-
-def greedy_hf(hf, prompt: torch.Tensor, steps: int) -> list[int]:
-    out = hf.generate(
-        prompt[None],
-        max_new_tokens=steps,
-        do_sample=False,
-        min_new_tokens=steps,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, prompt.shape[0] :].tolist()
 
 
 def load_hf(path):

@@ -9,10 +9,8 @@ import transformers
 from edge0.convert import convert
 from edge0.engine import Engine, EngineOptions
 from edge0.loader import load_edge0_model, load_hf_model
-from edge0.models.base import Forward
-from edge0.models.layers import KVCache
 from edge0.sampling import SamplingParams
-from helpers import make_hf_model
+from helpers import greedy_hf, greedy_ours, make_hf_model
 
 CASES = {
     "qwen3_moe": dict(family="qwen3_moe"),
@@ -21,29 +19,6 @@ CASES = {
     "qwen2_moe": dict(family="qwen2_moe"),
     "qwen2_moe_nobias_norm": dict(family="qwen2_moe", qkv_bias=False, norm_topk_prob=True),
 }
-
-
-def greedy_ours(model, prompt: torch.Tensor, steps: int) -> list[int]:
-    cache = KVCache(model.config.num_hidden_layers)
-    logits = model(prompt[None], Forward(cache), last_only=True)
-    out = []
-    for _ in range(steps):
-        tok = int(logits[0, -1].argmax())
-        out.append(tok)
-        logits = model(torch.tensor([[tok]]), Forward(cache), last_only=True)
-    return out
-
-
-def greedy_hf(hf, prompt: torch.Tensor, steps: int) -> list[int]:
-    out = hf.generate(
-        prompt[None],
-        max_new_tokens=steps,
-        do_sample=False,
-        min_new_tokens=steps,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, prompt.shape[0] :].tolist()
 
 
 @pytest.mark.parametrize("case", CASES)
