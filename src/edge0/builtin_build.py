@@ -50,7 +50,7 @@ def stages(work: Path) -> list[tuple[str, Path, list[str]]]:
         ("convert", model / "edge0.json", ["convert", str(teacher), str(model)]),
         (
             "heads",
-            model / "prerouter.safetensors",
+            model / modeldir.PREROUTER_FILE,
             [
                 "train",
                 "heads",
@@ -69,7 +69,7 @@ def stages(work: Path) -> list[tuple[str, Path, list[str]]]:
         ),
         (
             "sft",
-            model / "lora-phase2.safetensors",
+            model / modeldir.LORA_SFT_FILE,
             [
                 "train",
                 "sft",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from edge0 import memory, runtime
+from edge0 import memory, modeldir, runtime
 from edge0.store.expert_file import IO_MODES
 
 log = logging.getLogger("edge0")
@@ -30,7 +30,7 @@ def default_model_dir() -> Path:
 
 def default_teacher_dir(model_dir: Path) -> Path:
     """The built-in teacher for the built-in model, else the convert source if still present."""
-    from edge0 import builtin, modeldir
+    from edge0 import builtin
 
     if model_dir.resolve() == builtin.ROOT.joinpath("model").resolve():
         return builtin.teacher_dir()
@@ -288,7 +288,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from edge0.train.heads import HeadsConfig, train_heads
 
     cfg = config_from_args(HeadsConfig, args, train_tokens="tokens")
-    out = args.out or args.model_dir / "prerouter.safetensors"
+    out = args.out or args.model_dir / modeldir.PREROUTER_FILE
     report = train_heads(args.model_dir, args.data, out, cfg, progress=not args.quiet)
     print(f"wrote {out} (K={report['K']}); held-out top-{report['K']} recall per consumer layer:")
     print("| layer | warm start | trained |\n|---|---|---|")
@@ -304,7 +304,7 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     from edge0.train.sft import SFTConfig, train_sft
 
     cfg = config_from_args(SFTConfig, args)
-    out = args.out or args.model_dir / "lora-phase2.safetensors"
+    out = args.out or args.model_dir / modeldir.LORA_SFT_FILE
     r = train_sft(
         args.model_dir,
         args.teacher,
@@ -322,12 +322,11 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_train_opd(args: argparse.Namespace) -> int:
-    from edge0 import modeldir
     from edge0.train.opd import OPDConfig, train_opd
 
     cfg = config_from_args(OPDConfig, args)
 
-    init = args.init or args.model_dir / "lora-phase2.safetensors"
+    init = args.init or args.model_dir / modeldir.LORA_SFT_FILE
     out = args.out or args.model_dir / modeldir.LORA_FILE
     r = train_opd(
         args.model_dir,
@@ -456,7 +455,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         ids = load_tokenizer(model_dir).encode(args.prompt)
         lora_path = args.lora or model_dir / "lora.safetensors"
-        from edge0 import modeldir
 
         k = args.top_k or modeldir.Manifest.load(model_dir).served_top_k
         r = evaluate.lora_retention(model_dir, lora_path, ids, top_k=k, heads=args.prerouter)

@@ -48,7 +48,7 @@ class EvalConfig:
 def default_paths(model_dir: Path, cfg: EvalConfig) -> EvalConfig:
     """Fill in the adapter files that sit in the model directory."""
     cfg.prerouter = cfg.prerouter or _if_exists(model_dir / modeldir.PREROUTER_FILE)
-    cfg.lora_sft = cfg.lora_sft or _if_exists(model_dir / "lora-phase2.safetensors")
+    cfg.lora_sft = cfg.lora_sft or _if_exists(model_dir / modeldir.LORA_SFT_FILE)
     cfg.lora_opd = cfg.lora_opd or _if_exists(model_dir / modeldir.LORA_FILE)
     return cfg
 

@@ -23,6 +23,7 @@ MANIFEST = "edge0.json"
 RESIDENT_FILE = "model.safetensors"
 PREROUTER_FILE = "prerouter.safetensors"
 LORA_FILE = "lora.safetensors"
+LORA_SFT_FILE = "lora-phase2.safetensors"  # phase 2 output, phase 3 input; kept for the eval
 
 
 @dataclass
