@@ -99,10 +99,10 @@ class PrerouterRuntime:
         self._executed[layer] = topk_onehot(idx[:, -1], e)
         self._h[layer] = h.view(rows, -1, h.shape[-1])[:, -1].detach()
         if self.pool is not None and rows == 1 and idx.shape[1] == 1:
-            self._stage_ahead(layer)
+            self._stage_ahead(layer, routed=idx.shape[-1])
 
     @torch.no_grad()
-    def _stage_ahead(self, owner: int) -> None:
+    def _stage_ahead(self, owner: int, routed: int) -> None:
         """Decode: this owner's head now, and its consumers' reads for the next token."""
         t0 = time.perf_counter_ns()
         x = features(self._h[owner], self._executed[owner], self._previous[owner])  # [1, D+2E]
@@ -112,10 +112,11 @@ class PrerouterRuntime:
             self._next_predicted[c] = logits
             chosen[c] = sorted(self.blocks[c].select(logits)[1][0].tolist())
         self.stats.head_ns += time.perf_counter_ns() - t0
-        # The owner's own experts are about to run: staged and pinned already if it is a
+        # The owner's `routed` experts are about to run: staged and pinned already if it is a
         # consumer; otherwise it reads them now and needs room. Staging every consumer one
         # token ahead thus pins about (layers + 1) * K slots at most.
-        reserve = 0 if owner in self.staged else len(self._executed[owner].nonzero())
+        reserve = 0 if owner in self.staged else routed
+
         for c, experts in chosen.items():
             self._stage(c, experts, self._next_staged, reserve)
 
