@@ -20,7 +20,7 @@ import torch
 from edge0 import lora, memory, modeldir
 from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
-from edge0.prerouter.head import Prerouter
+from edge0.prerouter.head import Prerouter, StackedHeads
 from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.sampling import Sampler, SamplingParams
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
@@ -132,8 +132,8 @@ class Engine:
         heads, self.prerouter_meta = None, {}
         heads_path = opts.prerouter or self.path / modeldir.PREROUTER_FILE
         if not opts.no_prerouter and (opts.prerouter is not None or heads_path.exists()):
-            heads, self.prerouter_meta = Prerouter.load(
-                heads_path, cfg.hidden_size, cfg.num_experts, self.moe_layers
+            heads, self.prerouter_meta = Prerouter.load(  # fp16 as stored: only stacked below
+                heads_path, cfg.hidden_size, cfg.num_experts, self.moe_layers, torch.float16
             )
             trained_k = self.prerouter_meta.get("K")
             if trained_k and int(trained_k) != self.top_k:
@@ -143,7 +143,9 @@ class Engine:
 
         layout = self.manifest.layout()
         kv_bytes = self.model.cache_bytes(opts.max_context, opts.dtype)
-        self.floor_bytes = param_bytes(self.model) + kv_bytes + (param_bytes(heads) if heads else 0)
+        self.floor_bytes = (
+            param_bytes(self.model) + kv_bytes + (StackedHeads.nbytes(heads) if heads else 0)
+        )
         self.pool = ExpertPool(
             ExpertFile(self.path / EXPERTS_FILE, opts.io_mode),
             layout,
@@ -323,4 +325,6 @@ class Engine:
         s.resident_floor_bytes = self.floor_bytes
 
     def close(self) -> None:
+        if self.prerouter is not None:
+            self.prerouter.close()
         self.pool.close()

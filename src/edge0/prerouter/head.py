@@ -29,11 +29,11 @@ DEFAULT_WIDTH = 512
 
 
 class PrerouterHead(nn.Module):
-    def __init__(self, in_dim: int, num_experts: int, width: int = DEFAULT_WIDTH):
+    def __init__(self, in_dim: int, num_experts: int, width: int = DEFAULT_WIDTH, device=None):
         super().__init__()
-        self.fc1 = nn.Linear(in_dim, width, bias=False)
-        self.fc2 = nn.Linear(width, num_experts, bias=False)
-        self.linear_init = nn.Linear(in_dim, num_experts, bias=False)
+        self.fc1 = nn.Linear(in_dim, width, bias=False, device=device)
+        self.fc2 = nn.Linear(width, num_experts, bias=False, device=device)
+        self.linear_init = nn.Linear(in_dim, num_experts, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate="none")) + self.linear_init(x)
@@ -71,13 +71,20 @@ class Wiring:
 class Prerouter(nn.Module):
     """All heads of a model, keyed by owner layer."""
 
-    def __init__(self, wiring: Wiring, hidden: int, num_experts: int, width: int = DEFAULT_WIDTH):
+    def __init__(
+        self,
+        wiring: Wiring,
+        hidden: int,
+        num_experts: int,
+        width: int = DEFAULT_WIDTH,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         self.wiring = wiring
         self.hidden, self.num_experts, self.width = hidden, num_experts, width
         self.heads = nn.ModuleDict(
             {
-                str(o): PrerouterHead(hidden + 2 * num_experts, num_experts, width)
+                str(o): PrerouterHead(hidden + 2 * num_experts, num_experts, width, device)
                 for o in wiring.owners
             }
         )
@@ -118,9 +125,18 @@ class Prerouter(nn.Module):
 
     @classmethod
     def load(
-        cls, path: Path, hidden: int, num_experts: int, moe_layers: list[int]
+        cls,
+        path: Path,
+        hidden: int,
+        num_experts: int,
+        moe_layers: list[int],
+        dtype: torch.dtype = torch.float32,
     ) -> tuple[Prerouter, dict]:
-        """Heads from prerouter.safetensors; every mismatch is an error naming the file and key."""
+        """Heads from prerouter.safetensors; every mismatch is an error naming the file and key.
+
+        Parameters hold the file's values in `dtype`: float32 for training, or the file's own
+        float16 tensors (no copy) where they are only stacked for inference.
+        """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no prerouter file (run without it: --no-prerouter)")
@@ -144,7 +160,7 @@ class Prerouter(nn.Module):
         if bad:
             raise ValueError(f"{path}: layer {bad[0]} is not an MoE layer of this model")
         width = tensors[f"layers.{owners[0]}.fc1.weight"].shape[0]
-        pre = cls(Wiring(owner_of), hidden, num_experts, width)
+        pre = cls(Wiring(owner_of), hidden, num_experts, width, device="meta")  # no init
         expected = {f"layers.{o}.{k}" for o in pre.heads for k in pre.head(int(o)).state_dict()}
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         if missing or extra:
@@ -152,14 +168,13 @@ class Prerouter(nn.Module):
             raise ValueError(f"{path}: {'missing' if missing else 'unexpected'} tensor {key!r}")
         for key, t in tensors.items():
             _, o, name, _ = key.split(".")
-            param = getattr(pre.head(int(o)), name).weight
-            if t.shape != param.shape:
+            linear = getattr(pre.head(int(o)), name)
+            if t.shape != linear.weight.shape:
                 raise ValueError(
                     f"{path}: {key} has shape {tuple(t.shape)}, this model needs "
-                    f"{tuple(param.shape)} (hidden {hidden}, {num_experts} experts)"
+                    f"{tuple(linear.weight.shape)} (hidden {hidden}, {num_experts} experts)"
                 )
-            with torch.no_grad():
-                param.copy_(t.float())
+            linear.weight = nn.Parameter(t.to(dtype))
         return pre, meta
 
 
@@ -170,8 +185,17 @@ class StackedHeads:
     (same values, exact upcast). On CUDA they stay fp16.
     """
 
+    @staticmethod
+    def dtype_on(device: torch.device | str) -> torch.dtype:
+        return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
+    @classmethod
+    def nbytes(cls, pre: Prerouter, device: torch.device | str = "cpu") -> int:
+        """Memory the stacked heads of `pre` take on `device`."""
+        return sum(p.numel() for p in pre.parameters()) * cls.dtype_on(device).itemsize
+
     def __init__(self, pre: Prerouter, owners: list[int], device: torch.device | str = "cpu"):
-        dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
+        dtype = self.dtype_on(device)
         heads = [pre.head(o) for o in owners]
 
         def stack(name):
