@@ -13,7 +13,7 @@ from edge0.engine import Engine, EngineOptions
 from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
 from edge0.models.layers import KVCache
-from edge0.prerouter.head import Prerouter, Wiring, features
+from edge0.prerouter.head import Prerouter, StackedHeads, Wiring, features
 from edge0.routing import topk_onehot
 from edge0.sampling import SamplingParams
 from edge0.train.heads import HeadsConfig, train_heads
@@ -55,7 +55,31 @@ def test_warm_start_is_the_next_router():
         assert torch.allclose(pre.head(owner)(x), h @ routers[consumer].t(), atol=1e-5)
 
 
+def test_stacked_heads_compute_each_head_of_the_file():
+    """The decode form (one head) and the batched form (every head in one bmm) both equal the
+    head module on its fp16 weights, with the one-hot columns trained (nonzero)."""
+    moe, e, d = [0, 1, 2, 3], 16, 64
+    pre = Prerouter(Wiring.default(moe), hidden=d, num_experts=e, width=32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in pre.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen).half().float())
+    stacked = StackedHeads(pre, pre.wiring.owners)
+    h = torch.randn(3, d, generator=gen)
+    executed = torch.stack([torch.randperm(e, generator=gen)[:4] for _ in range(3)])
+    previous = torch.stack([torch.randperm(e, generator=gen)[:4] for _ in range(3)])
+    x = features(h, topk_onehot(executed, e), topk_onehot(previous, e))
+    first = features(h, topk_onehot(executed, e), torch.zeros(3, e))  # no previous token
+    batched = stacked(torch.stack([x] * len(pre.wiring.owners)))
+    for i, owner in enumerate(pre.wiring.owners):
+        head = pre.head(owner)
+        assert torch.allclose(batched[i], head(x), rtol=1e-5, atol=1e-4)
+        assert torch.allclose(stacked.one(i, x), head(x), rtol=1e-5, atol=1e-4)
+        assert torch.allclose(stacked.one(i, first), head(first), rtol=1e-5, atol=1e-4)
+
+
 def test_file_roundtrip_and_clear_errors(dirs, tmp_path):
+
     pre, meta = Prerouter.load(dirs["pre"] / "prerouter.safetensors", 64, 8, list(range(LAYERS)))
     assert meta["kind"] == "prerouter" and meta["K"] == "2" and "data_hash" in meta
     assert pre.wiring.consumers == list(range(1, LAYERS))

@@ -11,6 +11,12 @@ After the logits, `flush` makes these the current predictions and staged sets. A
 each consumer routes by `predicted[consumer]`, so the experts it runs are exactly the
 experts staged for it.
 
+Heads run on a thread of their own (one intra-op thread), so the compute thread goes on with
+the next layers while a head evaluates and its reads are handed to the I/O threads; `flush`
+waits for them. An owner that is not itself a consumer (it reads its experts now) stages on
+the compute thread, so that the room it keeps for its own reads is decided before it takes it.
+
+
 First decode token: the heads run on the last prompt position at the end of prefill (all in
 one batch, since prefill keeps the pool busy with whole-layer reads), so every generated
 token, the first included, is prediction-routed, as in training.
@@ -23,6 +29,7 @@ Shape legend: H heads, R rows, D hidden, E experts, K active experts.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +73,15 @@ class PrerouterRuntime:
         self._consumers_of: dict[int, list[int]] = {}
         for c in self.consumers:
             self._consumers_of.setdefault(self.wiring.owner_of[c], []).append(c)
+        # Heads run on their own thread at decode, next to the layers that follow their owner
+        # (torch ops release the GIL); one intra-op thread, so they never take both cores.
+        self._worker = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="edge0-heads",
+            initializer=torch.set_num_threads,
+            initargs=(1,),
+        )
+        self._pending: list[Future] = []
         self._h: dict[int, torch.Tensor] = {}
         self._executed: dict[int, torch.Tensor] = {}
         self._previous: dict[int, torch.Tensor] = {}
@@ -74,6 +90,7 @@ class PrerouterRuntime:
     def reset(self, rows: int = 1) -> None:
         """Forget the request: features, predictions, and the pins of staged experts."""
         self.rows = rows
+        self._join()
         for staged in (self.staged, self._next_staged):
             for entries in staged.values():
                 self.pool.release(entries)
@@ -99,26 +116,38 @@ class PrerouterRuntime:
         self._executed[layer] = topk_onehot(idx[:, -1], e)
         self._h[layer] = h.view(rows, -1, h.shape[-1])[:, -1].detach()
         if self.pool is not None and rows == 1 and idx.shape[1] == 1:
-            self._stage_ahead(layer, routed=idx.shape[-1])
+            # The owner's `routed` experts are about to run: staged and pinned already if it is
+            # a consumer; otherwise it reads them now and needs room. Staging every consumer
+            # one token ahead thus pins about (layers + 1) * K slots at most.
+            x = features(self._h[layer], self._executed[layer], self._previous[layer])
+            if layer in self.staged:
+                self._pending.append(self._worker.submit(self._stage_ahead, layer, x))
+            else:  # keep room for its reads: decided now, before this thread requests them
+                self._stage_ahead(layer, x, reserve=idx.shape[-1])
 
     @torch.no_grad()
-    def _stage_ahead(self, owner: int, routed: int) -> None:
-        """Decode: this owner's head now, and its consumers' reads for the next token."""
+    def _stage_ahead(self, owner: int, x: torch.Tensor, reserve: int = 0) -> None:
+        """Decode: this owner's head on its features x [1, D+2E], and its consumers' reads for
+        the next token. Runs on the heads thread for owners that are consumers themselves."""
         t0 = time.perf_counter_ns()
-        x = features(self._h[owner], self._executed[owner], self._previous[owner])  # [1, D+2E]
         logits = self.heads.one(self._row[owner], x)  # [1, E]
         chosen = {}
         for c in self._consumers_of.get(owner, []):
             self._next_predicted[c] = logits
             chosen[c] = sorted(self.blocks[c].select(logits)[1][0].tolist())
         self.stats.head_ns += time.perf_counter_ns() - t0
-        # The owner's `routed` experts are about to run: staged and pinned already if it is a
-        # consumer; otherwise it reads them now and needs room. Staging every consumer one
-        # token ahead thus pins about (layers + 1) * K slots at most.
-        reserve = 0 if owner in self.staged else routed
-
         for c, experts in chosen.items():
             self._stage(c, experts, self._next_staged, reserve)
+
+    def _join(self) -> None:
+        """Wait for the heads thread's work of this token; its errors surface here."""
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+    def close(self) -> None:
+        self._join()
+        self._worker.shutdown()
 
     def take(self, consumer: int) -> list[Entry]:
         return self.staged.pop(consumer, [])
@@ -140,6 +169,7 @@ class PrerouterRuntime:
         At decode they were made (and their reads started) layer by layer during the forward;
         after prefill, or in training, every head runs here in one batch.
         """
+        self._join()
         if len(self._next_predicted) == len(self.consumers):
             for entries in self.staged.values():  # consumers that did not run (none normally)
                 self.pool.release(entries)
