@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
@@ -183,7 +184,39 @@ def test_request_outputs_do_not_depend_on_earlier_requests(dirs):
         used.close()
 
 
+def test_a_head_failing_on_the_heads_thread_fails_the_step(dirs):
+    """Heads run on their own thread at decode; an error there must reach the caller of step,
+    not be lost with the thread, and the engine must serve the next request."""
+    engine = Engine(dirs["pre"])
+    try:
+        ids = prompt(engine)
+        engine.reset()
+        engine.prefill(ids)
+        one = engine.prerouter.heads.one
+        threads = []
+
+        def failing(i, x):
+            threads.append(threading.current_thread().name)
+            if threads[-1].startswith("edge0-heads"):
+                raise RuntimeError("head failed")
+            return one(i, x)
+
+        engine.prerouter.heads.one = failing
+        with pytest.raises(RuntimeError, match="head failed"):
+            engine.step(ids[-1])
+        assert any(name.startswith("edge0-heads") for name in threads)
+        engine.prerouter.heads.one = one
+        fresh = Engine(dirs["pre"])
+        try:
+            assert engine.generate(ids, 5, GREEDY).tokens == fresh.generate(ids, 5, GREEDY).tokens
+        finally:
+            fresh.close()
+    finally:
+        engine.close()
+
+
 def run_arm(path, no_prerouter: bool, tokens: list[int], ids: list[int]) -> dict:
+
     opts = EngineOptions(
         no_prerouter=no_prerouter,
         read_delay_s=0.02,
