@@ -30,8 +30,9 @@ from edge0.store.expert_file import read_table
 ARMS = ("prerouter", "ondemand", "resident")
 # Anonymous memory beyond the floor and the pool, on the 32-layer 2048-wide synthetic model:
 # 0.36 GiB after load (torch, tokenizer, Python, malloc's retained heap), 0.11 GiB more
-# while decoding, plus the prerouter's heads (0.15 GiB in fp32 at that shape). With 600 MiB
-# the prerouter arm was OOM-killed under a 3.3 GiB cap once routing touched the whole pool.
+# while decoding, plus the prerouter's heads (0.18 GiB stacked in fp32 at that shape; the
+# floor estimate here counts only the resident file). With 600 MiB the prerouter arm was
+# OOM-killed under a 3.3 GiB cap once routing touched the whole pool.
 RUNTIME_RESERVE = 1 << 30
 
 

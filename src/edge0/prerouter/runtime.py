@@ -16,7 +16,6 @@ the next layers while a head evaluates and its reads are handed to the I/O threa
 waits for them. An owner that is not itself a consumer (it reads its experts now) stages on
 the compute thread, so that the room it keeps for its own reads is decided before it takes it.
 
-
 First decode token: the heads run on the last prompt position at the end of prefill (all in
 one batch, since prefill keeps the pool busy with whole-layer reads), so every generated
 token, the first included, is prediction-routed, as in training.
@@ -111,8 +110,11 @@ class PrerouterRuntime:
         idx = indices.view(rows, -1, indices.shape[-1])  # [R, T, K]
         if idx.shape[1] > 1:
             self._previous[layer] = topk_onehot(idx[:, -2], e)
-        else:
-            self._previous[layer] = self._executed.get(layer, torch.zeros(rows, e))
+        elif layer in self._executed:
+            self._previous[layer] = self._executed[layer]
+        else:  # the first position of a request: nothing executed before it
+            self._previous[layer] = torch.zeros(rows, e)
+
         self._executed[layer] = topk_onehot(idx[:, -1], e)
         self._h[layer] = h.view(rows, -1, h.shape[-1])[:, -1].detach()
         if self.pool is not None and rows == 1 and idx.shape[1] == 1:
