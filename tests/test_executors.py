@@ -6,12 +6,15 @@ import pytest
 import torch
 
 from edge0.convert import convert
+from edge0.int4_layout import host_layout
 from edge0.loader import load_edge0_model
 from edge0.modeldir import Manifest
 from edge0.store.expert_file import ExpertFile
 from edge0.store.pool import ExpertPool
 from edge0.streaming.executors import ExactExecutor, PrefillPlan, WholeLayerExecutor
 from helpers import make_hf_model
+
+pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def rel_l2(a, b) -> float:
 
 def make_pool(model_dir, slots: int) -> ExpertPool:
     manifest = Manifest.load(model_dir)
-    layout = manifest.layout()
+    layout = manifest.layout().with_int4(host_layout())  # what the kernel here wants
     return ExpertPool(ExpertFile(model_dir / "experts.safetensors"), layout, slots * layout.nbytes)
 
 

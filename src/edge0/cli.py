@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from edge0 import memory, modeldir, runtime
+from edge0.int4_layout import LAYOUTS
 from edge0.store.expert_file import IO_MODES
+from edge0.store.relayout import POLICIES
 
 log = logging.getLogger("edge0")
 
@@ -68,6 +70,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--io-threads", type=int, default=4, help="reader threads (default 4)")
     g.add_argument(
+        "--relayout",
+        choices=POLICIES,
+        default="cache",
+        help="experts packed for another CPU's int4 kernel: repack once into a cached copy "
+        "(default) or on every read",
+    )
+    g.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where repacked copies are kept (default $XDG_CACHE_HOME/edge0 or ~/.cache/edge0)",
+    )
+    g.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -110,6 +125,8 @@ def engine_options(args: argparse.Namespace):
         expert_cache=args.expert_cache,
         io_mode=args.io_mode,
         io_threads=args.io_threads,
+        relayout=args.relayout,
+        cache_dir=args.cache_dir,
         dtype=getattr(torch, args.dtype),
         prerouter=args.prerouter,
         no_prerouter=args.no_prerouter,
@@ -150,7 +167,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         from edge0.convert import convert
 
-    report = convert(args.hf_dir, args.out_dir, force=args.force, progress=not args.quiet)
+    report = convert(
+        args.hf_dir,
+        args.out_dir,
+        force=args.force,
+        progress=not args.quiet,
+        int4=args.int4_layout,
+    )
     print(
         f"wrote {report.out_dir}: {report.num_extents} expert extents of {report.extent_bytes} "
         f"bytes ({memory.format_bytes(report.expert_bytes)}), resident "
@@ -525,6 +548,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-mlx",
         action="store_true",
         help="HF_DIR is an MLX affine int4 checkpoint: experts are repacked, not re-quantized",
+    )
+    c.add_argument(
+        "--int4-layout",
+        choices=list(LAYOUTS),
+        default=None,
+        help="arrangement of the int4 codes (default: this machine's kernel's); every "
+        "arrangement is served correctly on every CPU",
     )
     c.set_defaults(func=cmd_convert)
 

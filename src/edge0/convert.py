@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0 import memory, modeldir
+from edge0 import int4_layout, memory, modeldir
 from edge0.checkpoint import Checkpoint, ExpertSource, check_dir, load_config, sha256_file
 from edge0.models.base import served_keys
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
-from edge0.store.expert_file import tensor_name
+from edge0.store.expert_file import LAYOUT_KEY, tensor_name
 from edge0.store.extents import ExtentLayout
 from edge0.store.writer import StreamingSafetensors
 from edge0.streaming.experts import StreamingExperts
@@ -68,15 +68,22 @@ def expected_resident(fam, cfg) -> dict[str, tuple[int, ...]]:
 
 
 def convert(
-    hf_dir: Path | str, out_dir: Path | str, *, force: bool = False, progress: bool = True
+    hf_dir: Path | str,
+    out_dir: Path | str,
+    *,
+    force: bool = False,
+    progress: bool = True,
+    int4: str | None = None,
 ) -> ConvertReport:
+    """`int4` names the arrangement of the expert codes (int4_layout.py); the default is this
+    machine's kernel's, so serving here never repacks. Any arrangement serves everywhere."""
     with memory.PeakSampler() as peaks:
-        report = _convert(hf_dir, out_dir, force, progress)
+        report = _convert(hf_dir, out_dir, force, progress, int4)
     report.peak_anon_bytes, report.peak_file_bytes = peaks.peak_anon, peaks.peak_file
     return report
 
 
-def _convert(hf_dir, out_dir, force: bool, progress: bool) -> ConvertReport:
+def _convert(hf_dir, out_dir, force: bool, progress: bool, int4: str | None) -> ConvertReport:
     t0 = time.perf_counter()
 
     src = check_dir(hf_dir, "Hugging Face model directory")
@@ -90,7 +97,7 @@ def _convert(hf_dir, out_dir, force: bool, progress: bool) -> ConvertReport:
     }
     for source in sources.values():
         source.check_shapes(cfg.hidden_size, cfg.moe_intermediate_size)
-    return write_model_dir(src, out, fam, cfg, ckpt, sources, progress=progress, t0=t0)
+    return write_model_dir(src, out, fam, cfg, ckpt, sources, progress=progress, t0=t0, int4=int4)
 
 
 def check_out_dir(out_dir: Path | str, force: bool) -> Path:
@@ -120,14 +127,17 @@ def write_model_dir(
     source: dict | None = None,
     config: dict | None = None,
     extra: Callable[[Path], None] | None = None,
+    int4: str | None = None,
 ) -> ConvertReport:
     """Write an edge0 directory from any checkpoint view and per-layer expert sources.
 
     `ckpt` needs keys/shape/get/files/hashes (resident tensors under our module names);
     each source needs keys/extent/release. `config` replaces config.json's content,
-    `source` the manifest's provenance, and `extra(tmp)` adds files before hashing.
+    `source` the manifest's provenance, and `extra(tmp)` adds files before hashing. `int4`
+    names the codes' arrangement (default: this machine's kernel's).
     """
-    layout = ExtentLayout(cfg.hidden_size, cfg.moe_intermediate_size)
+    arrangement = int4_layout.by_name(int4) if int4 else int4_layout.host_layout()
+    layout = ExtentLayout(cfg.hidden_size, cfg.moe_intermediate_size, arrangement)
     skip = {k for s in sources.values() for k in s.keys()}
     skip |= set(ckpt.keys()) - set(served_keys(fam, cfg, ckpt.keys()))  # e.g. a vision tower
     resident = _check_resident(ckpt, expected_resident(fam, cfg), skip)
@@ -235,6 +245,7 @@ def _write_experts(
         "extent_bytes": str(layout.nbytes),
         "hidden": str(d),
         "inter": str(i),
+        LAYOUT_KEY: layout.int4.name,
     }
     writer = StreamingSafetensors(path, specs, metadata=meta, align=4096)
     table, offset = {}, writer.data_start

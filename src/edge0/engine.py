@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from edge0 import lora, memory, modeldir
+from edge0 import int4_layout, lora, memory, modeldir
 from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
 from edge0.prerouter.head import Prerouter, StackedHeads
@@ -26,6 +26,7 @@ from edge0.sampling import Sampler, SamplingParams
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import ExpertFile
 from edge0.store.pool import ExpertPool, PoolStats
+from edge0.store.relayout import experts_for_host
 from edge0.streaming.executors import (
     ExactExecutor,
     PrefillPlan,
@@ -46,6 +47,8 @@ class EngineOptions:
     expert_cache: int | None = None  # bytes for the expert pool (overrides the budget split)
     io_mode: str = DEFAULT_IO_MODE
     io_threads: int = 4
+    relayout: str = "cache"  # codes in another arrangement than the host's: "cache" or "on-read"
+    cache_dir: Path | None = None  # where "cache" keeps repacked copies (default ~/.cache/edge0)
     dtype: torch.dtype = torch.float32
     max_context: int = 4096  # sizes the KV part of the resident floor
     read_delay_s: float = 0.0  # extra latency per read (tests of overlap)
@@ -141,14 +144,25 @@ class Engine:
                     "%s was trained at K=%s; serving K=%d", heads_path, trained_k, self.top_k
                 )
 
+        # The kernel's arrangement on this machine, checked by one small matmul before serving.
+        host = int4_layout.host_layout()
+        int4_layout.self_check(host)
         layout = self.manifest.layout()
+        experts_path = experts_for_host(
+            self.path,
+            layout,
+            self.manifest.files.get(EXPERTS_FILE),
+            host,
+            opts.relayout,
+            opts.cache_dir,
+        )
         kv_bytes = self.model.cache_bytes(opts.max_context, opts.dtype)
         self.floor_bytes = (
             param_bytes(self.model) + kv_bytes + (StackedHeads.nbytes(heads) if heads else 0)
         )
         self.pool = ExpertPool(
-            ExpertFile(self.path / EXPERTS_FILE, opts.io_mode),
-            layout,
+            ExpertFile(experts_path, opts.io_mode),
+            layout.with_int4(host),
             self._pool_bytes(layout.nbytes),
             io_threads=opts.io_threads,
             read_delay_s=opts.read_delay_s,

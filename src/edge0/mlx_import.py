@@ -282,15 +282,17 @@ def import_mlx(
     *,
     force: bool = False,
     progress: bool = True,
+    int4: str | None = None,
 ) -> ConvertReport:
-    """Build an edge0 directory from an MLX affine int4 checkpoint and its adapter files."""
+    """Build an edge0 directory from an MLX affine int4 checkpoint and its adapter files.
+    `int4` as for `convert.convert`."""
     with memory.PeakSampler() as peaks:
-        report = _import(mlx_dir, out_dir, force, progress)
+        report = _import(mlx_dir, out_dir, force, progress, int4)
     report.peak_anon_bytes, report.peak_file_bytes = peaks.peak_anon, peaks.peak_file
     return report
 
 
-def _import(mlx_dir, out_dir, force: bool, progress: bool) -> ConvertReport:
+def _import(mlx_dir, out_dir, force: bool, progress: bool, int4: str | None) -> ConvertReport:
     t0 = time.perf_counter()
     src = check_dir(mlx_dir, "MLX model directory")
     out = check_out_dir(out_dir, force)
@@ -329,6 +331,7 @@ def _import(mlx_dir, out_dir, force: bool, progress: bool) -> ConvertReport:
             source=source,
             config=config,
             extra=write_adapters,
+            int4=int4,
         )
     finally:
         ckpt.close()

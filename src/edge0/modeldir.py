@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from edge0.checkpoint import check_dir, read_json
+from edge0.int4_layout import UNRECORDED, by_name
 from edge0.store.extents import ExtentLayout
 
 FORMAT_VERSION = 1
@@ -58,7 +59,8 @@ class Manifest:
                     "group_size": 64,
                     "scheme": "affine",
                     "stored": "w = scale * q + bias (MLX convention)",
-                    "kernel_layout": "aten._weight_int4pack_mm_for_cpu",
+                    "kernel": "aten._weight_int4pack_mm_for_cpu",
+                    "layout": layout.int4.name,  # arrangement of the codes (int4_layout.py)
                 },
                 "resident": "bf16",
             },
@@ -103,7 +105,10 @@ class Manifest:
             raise ValueError(f"{path / MANIFEST}: {e}") from e
 
     def layout(self) -> ExtentLayout:
-        return ExtentLayout(self.experts["hidden"], self.experts["inter"])
+        """The extents as stored; directories from before the arrangement was recorded hold
+        the n32-split codes that edge0 always wrote then."""
+        int4 = self.quantization["experts"].get("layout", UNRECORDED.name)
+        return ExtentLayout(self.experts["hidden"], self.experts["inter"], by_name(int4))
 
     def save(self, path: Path) -> None:
         (path / MANIFEST).write_text(json.dumps(asdict(self), indent=2) + "\n")

@@ -7,8 +7,7 @@ A quantized matrix W [N, K] (N outputs, K inputs) is stored as
 
 The CPU kernel `aten._weight_int4pack_mm_for_cpu` computes (q - 8) * scale + zero, so the
 kernel's zero is bias + 8 * scale; `to_kernel_pairs` derives it in place after a read.
-Its packed weight layout is, per block of 32 output rows, one 16-byte row per input column:
-row i of the block sits in the low nibble of byte i (i < 16) or the high nibble of byte i-16.
+Where the kernel expects each code depends on the machine: see `int4_layout`.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch
 
 GROUP = 64
 BITS = 4
-BLOCK_N = 32  # output rows per block of the CPU int4pack layout
+BLOCK_N = 32  # every int4pack arrangement tiles output rows in blocks of 32 or 64 (+ a 32 tail)
 
 
 def check_quantizable(name: str, n: int, k: int) -> None:
@@ -59,21 +58,6 @@ def dequantize_affine(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) 
     return (scale.float()[..., None] * g + bias.float()[..., None]).reshape(n, k)
 
 
-def pack_cpu(q: torch.Tensor) -> torch.Tensor:
-    """Pack q uint8 [N, K] (values 0..15) into the CPU int4pack layout, uint8 [N, K/2]."""
-    n, k = q.shape
-    blocks = q.reshape(n // BLOCK_N, BLOCK_N, k).permute(0, 2, 1)  # [N/32, K, 32]
-    packed = blocks[..., :16] | (blocks[..., 16:] << 4)  # [N/32, K, 16]
-    return packed.reshape(n, k // 2).contiguous()
-
-
-def unpack_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Inverse of pack_cpu: uint8 [N, K/2] -> q uint8 [N, K]."""
-    p = packed.reshape(n // BLOCK_N, k, 16)
-    both = torch.cat([p & 15, p >> 4], dim=-1)  # [N/32, K, 32]
-    return both.permute(0, 2, 1).reshape(n, k)
-
-
 def pairs_from(scale: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """Interleave [N, K/64] scale and bias (or zero) into the kernel's [K/64, N, 2] bf16."""
     return torch.stack([scale.t(), second.t()], dim=-1).to(torch.bfloat16).contiguous()
@@ -83,23 +67,6 @@ def to_kernel_pairs(pairs: torch.Tensor) -> None:
     """In place: (scale, bias) pairs -> (scale, zero) with zero = bias + 8 * scale."""
     zero = pairs[..., 1].float() + 8.0 * pairs[..., 0].float()
     pairs[..., 1].copy_(zero)
-
-
-def dequantize_kernel(packed: torch.Tensor, pairs: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """fp32 [N, K] exactly as the kernel sees it: (q - 8) * scale + zero.
-
-    Works in the packed orientation ([N/32, K, 32] tiles) with contiguous operands and
-    materialises W^T [K, N]; the result is its transposed view, which F.linear consumes
-    without a copy. ~10x faster than unpacking row-major first on the CPUs measured.
-    """
-    nb = n // BLOCK_N
-    p = packed.view(nb, k // GROUP, GROUP, 16)
-    q = torch.cat([p & 15, p >> 4], dim=-1).float()  # [N/32, K/64, 64, 32]
-    pr = pairs.float().view(k // GROUP, nb, BLOCK_N, 2).permute(1, 0, 2, 3)  # [N/32, K/64, 32, 2]
-    scale = pr[..., 0].unsqueeze(2).contiguous()
-    offset = (pr[..., 1] - 8.0 * pr[..., 0]).unsqueeze(2).contiguous()
-    w = torch.addcmul(offset, q, scale)  # q * scale + (zero - 8 * scale)
-    return w.permute(1, 2, 0, 3).reshape(k, n).t()
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0 import modeldir
+from edge0 import int4_layout, modeldir
 from edge0.checkpoint import sha256_file
 from edge0.models import qwen3_moe
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
-from edge0.store.expert_file import tensor_name
+from edge0.store.expert_file import LAYOUT_KEY, tensor_name
 from edge0.store.extents import ExtentLayout
 from edge0.store.writer import StreamingSafetensors
 
@@ -119,7 +119,8 @@ def synth(
         raise FileExistsError(f"{out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
     cfg = shape.config()
-    layout = ExtentLayout(shape.hidden, shape.expert_width)  # validates the dims
+    # validates the dims; random codes are equally random in any arrangement: use the host's
+    layout = ExtentLayout(shape.hidden, shape.expert_width, int4_layout.host_layout())
     gen = torch.Generator().manual_seed(seed)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     _tokenizer(out, tokenizer_dir, shape.vocab)
@@ -141,7 +142,11 @@ def synth(
             (tensor_name(i), torch.uint8, (shape.experts, layout.nbytes))
             for i in range(shape.layers)
         ],
-        metadata={"format": "edge0-extents", "random_weights": "true"},
+        metadata={
+            "format": "edge0-extents",
+            "random_weights": "true",
+            LAYOUT_KEY: layout.int4.name,
+        },
         align=4096,
     )
     table, offset = {}, ew.data_start

@@ -2,7 +2,8 @@
 
 Rows: the int4 kernel at several token counts against dequantize + dense matmul (fp32 and
 bf16), the one-off cost of packing a projection, and of dequantizing one. Medians of many
-runs; each op is warmed first.
+runs; each op is warmed first. The int4 rows use the arrangement this machine's kernel wants
+(`int4_layout.host_layout`), and the report names it with torch's CPU capability.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from edge0 import quant
+from edge0 import int4_layout, quant
 
 
 def median_us(fn, runs: int = 30) -> float:
@@ -28,14 +29,16 @@ def median_us(fn, runs: int = 30) -> float:
 
 def measure(shapes=((512, 2048), (2048, 512)), tokens=(1, 4, 16, 48, 64, 128, 512)) -> list[dict]:
     rows = []
+    host = int4_layout.host_layout()
+    other = next(lay for lay in int4_layout.LAYOUTS.values() if lay != host)
     for n, k in shapes:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scale = (torch.rand(n, k // quant.GROUP) * 0.01).bfloat16()
         bias = (torch.randn(n, k // quant.GROUP) * 0.01).bfloat16()
-        packed = quant.pack_cpu(q)
+        packed = host.pack(q)
         pairs = quant.pairs_from(scale, bias)
         quant.to_kernel_pairs(pairs)
-        w32 = quant.dequantize_kernel(packed, pairs, n, k)
+        w32 = host.dequantize(packed, pairs, n, k)
         wbf = w32.bfloat16()
         rows.append(
             {
@@ -50,7 +53,7 @@ def measure(shapes=((512, 2048), (2048, 512)), tokens=(1, 4, 16, 48, 64, 128, 51
             {
                 "op": "dequantize -> fp32",
                 "shape": f"[{n},{k}]",
-                "us": median_us(lambda: quant.dequantize_kernel(packed, pairs, n, k), 10),
+                "us": median_us(lambda: host.dequantize(packed, pairs, n, k), 10),
             }
         )
         for m in tokens:
@@ -94,10 +97,25 @@ def measure(shapes=((512, 2048), (2048, 512)), tokens=(1, 4, 16, 48, 64, 128, 51
                 ),
             }
         )
+        rows.append(
+            {
+                "op": f"repack {other.name} -> {host.name} (on-read relayout)",
+                "shape": f"[{n},{k}]",
+                "us": median_us(lambda: int4_layout.relayout(packed, n, k, other, host), 10),
+            }
+        )
     return rows
 
 
 def report(rows: list[dict]) -> str:
-    lines = ["| op | shape | µs (median) |", "|---|---|---|"]
+    host = int4_layout.host_layout().name
+    cap = torch.backends.cpu.get_cpu_capability()
+    lines = [
+        f"torch {torch.__version__}, CPU capability {cap}, int4 layout {host}, "
+        f"{torch.get_num_threads()} threads",
+        "",
+        "| op | shape | µs (median) |",
+        "|---|---|---|",
+    ]
     lines += [f"| {r['op']} | {r['shape']} | {r['us']:.0f} |" for r in rows]
     return "\n".join(lines)

@@ -23,12 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
+from edge0.int4_layout import UNRECORDED, by_name
 from edge0.store.extents import ALIGN
 
 log = logging.getLogger(__name__)
 
 IO_MODES = ("direct", "buffered", "mmap")
 FILE_NAME = "experts.safetensors"
+LAYOUT_KEY = "int4_layout"  # header metadata: the arrangement the codes were written in
 
 
 def tensor_name(layer: int) -> str:
@@ -87,6 +89,7 @@ class ExpertFile:
             raise ValueError(f"unknown I/O mode {mode!r}; choose one of {', '.join(IO_MODES)}")
         self.path = Path(path)
         self.table, self.extent_bytes, self.metadata = read_table(self.path)
+        self.int4 = by_name(self.metadata.get(LAYOUT_KEY, UNRECORDED.name))
         self.mode = mode
         self._map = None
         self._map_np = None

@@ -1,21 +1,24 @@
 """The byte layout of one expert extent: everything a routed expert needs, in one aligned range.
 
 An extent holds, for one expert of one layer, in this order:
-  w13  uint8 [2I, D/2]       gate rows then up rows, CPU int4pack layout
-  w2   uint8 [D, I/2]        down, CPU int4pack layout
+  w13  uint8 [2I, D/2]       gate rows then up rows, int4 codes in the layout's arrangement
+  w2   uint8 [D, I/2]        down, same arrangement
   p13  bf16  [D/64, 2I, 2]   (scale, bias) pairs for w13
   p2   bf16  [I/64, D, 2]    (scale, bias) pairs for w2
 padded to a multiple of 4096 bytes, so O_DIRECT reads need no bounce buffer.
 Fusing gate and up makes a decode step two kernel calls per expert instead of three.
+The arrangement of the codes (`int4_layout`) is part of the layout: a file records the one
+it was written in, and a read into a pool converts to the host kernel's if they differ.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from edge0 import quant
+from edge0.int4_layout import UNRECORDED, Int4Layout, relayout
 
 ALIGN = 4096
 _FIELD_ALIGN = 64
@@ -37,10 +40,12 @@ def _round_up(n: int, m: int) -> int:
 
 @dataclass(frozen=True)
 class ExtentLayout:
-    """Offsets of the four fields inside an extent of an expert with hidden D and width I."""
+    """Offsets of the four fields inside an extent of an expert with hidden D and width I,
+    and the arrangement of its int4 codes (sizes and offsets do not depend on it)."""
 
     hidden: int
     inter: int
+    int4: Int4Layout = UNRECORDED
 
     def __post_init__(self) -> None:
         quant.check_quantizable("expert gate/up projection", 2 * self.inter, self.hidden)
@@ -73,6 +78,9 @@ class ExtentLayout:
     def nbytes(self) -> int:
         return _round_up(self.payload_bytes, ALIGN)
 
+    def with_int4(self, int4: Int4Layout) -> ExtentLayout:
+        return replace(self, int4=int4)
+
     def views(self, buf: torch.Tensor) -> ExpertTensors:
         """Tensor views into a uint8 buffer of nbytes; no copy."""
         parts = {}
@@ -83,11 +91,20 @@ class ExtentLayout:
             parts[name] = buf[offset : offset + n].view(dtype).view(shape)
         return ExpertTensors(**parts)
 
-    def finalize(self, buf: torch.Tensor) -> None:
-        """Turn the stored (scale, bias) pairs into the kernel's (scale, zero), in place."""
+    def finalize(self, buf: torch.Tensor, stored: Int4Layout | None = None) -> None:
+        """Turn stored bytes into kernel form in place: (scale, bias) pairs into the kernel's
+        (scale, zero), and codes written in the `stored` arrangement into this layout's."""
         t = self.views(buf)
         quant.to_kernel_pairs(t.p13)
         quant.to_kernel_pairs(t.p2)
+        if stored is not None and stored != self.int4:
+            self.relayout_codes(t, stored, self.int4)
+
+    def relayout_codes(self, t: ExpertTensors, src: Int4Layout, dst: Int4Layout) -> None:
+        """In place: the codes of w13 and w2 from the `src` arrangement to `dst`."""
+        d, i = self.hidden, self.inter
+        t.w13.copy_(relayout(t.w13, 2 * i, d, src, dst))
+        t.w2.copy_(relayout(t.w2, d, i, src, dst))
 
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """Quantize one expert's float weights (gate/up [I, D], down [D, I]) into an extent."""
@@ -99,8 +116,8 @@ class ExtentLayout:
         """Lay out already-quantized weights (q uint8 [N, K], scale/bias [N, K/64])."""
         buf = torch.zeros(self.nbytes, dtype=torch.uint8)
         t = self.views(buf)
-        t.w13.copy_(quant.pack_cpu(q13))
-        t.w2.copy_(quant.pack_cpu(q2))
+        t.w13.copy_(self.int4.pack(q13))
+        t.w2.copy_(self.int4.pack(q2))
         t.p13.copy_(quant.pairs_from(s13, b13))
         t.p2.copy_(quant.pairs_from(s2, b2))
         return buf
@@ -108,8 +125,8 @@ class ExtentLayout:
     def dequantize(self, t: ExpertTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (w13 [2I, D], w2 [D, I]) from finalized views, as the kernel computes them."""
         d, i = self.hidden, self.inter
-        w13 = quant.dequantize_kernel(t.w13, t.p13, 2 * i, d)
-        w2 = quant.dequantize_kernel(t.w2, t.p2, d, i)
+        w13 = self.int4.dequantize(t.w13, t.p13, 2 * i, d)
+        w2 = self.int4.dequantize(t.w2, t.p2, d, i)
         return w13, w2
 
     def dequantize_stored(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +134,9 @@ class ExtentLayout:
         d, i = self.hidden, self.inter
         t = self.views(buf)
         w13 = quant.dequantize_affine(
-            quant.unpack_cpu(t.w13, 2 * i, d), t.p13[..., 0].t(), t.p13[..., 1].t()
+            self.int4.unpack(t.w13, 2 * i, d), t.p13[..., 0].t(), t.p13[..., 1].t()
         )
         w2 = quant.dequantize_affine(
-            quant.unpack_cpu(t.w2, d, i), t.p2[..., 0].t(), t.p2[..., 1].t()
+            self.int4.unpack(t.w2, d, i), t.p2[..., 0].t(), t.p2[..., 1].t()
         )
         return w13, w2

@@ -7,6 +7,10 @@ buffers; the caller only waits for a read it needs now, and that wait is measure
 
 An entry is pinned while someone holds it (a layer computing with it, or a prefetch that
 staged it for the next token); only unpinned, finished entries are evicted.
+
+`layout` is what the pool hands out: its int4 arrangement must be the host kernel's. The
+I/O thread finalizes each read into it, repacking the codes if the file was written in
+another arrangement (the engine normally avoids that with a once-per-machine copy).
 """
 
 from __future__ import annotations
@@ -213,7 +217,7 @@ class ExpertPool:
             got = self.file.read_run(layer, run[0].key[1], [self._views[en.slot] for en in run])
             dt = time.perf_counter_ns() - t0
             for en in run:
-                self.layout.finalize(self._slots[en.slot])
+                self.layout.finalize(self._slots[en.slot], stored=self.file.int4)
             with self._lock:
                 self.stats.reads += 1
                 self.stats.loads += len(run)
