@@ -108,3 +108,35 @@ def greedy_hf(hf, prompt: torch.Tensor, steps: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, prompt.shape[0] :].tolist()
+
+
+def cpu_capabilities() -> list[str]:
+    """ATEN_CPU_CAPABILITY values this CPU can run: always `default`, then the vector ISAs
+    up to the native one (torch reports e.g. AVX2 or AVX512 on x86)."""
+    native = torch.backends.cpu.get_cpu_capability().lower()
+    ladder = ["avx2", "avx512"]
+    caps = ["default"]
+    if native in ladder:
+        caps += ladder[: ladder.index(native) + 1]
+    elif native != "default":
+        caps.append(native)
+    return caps
+
+
+def capability_env(cap: str, cache_dir: Path | None = None) -> dict[str, str]:
+    """The environment for a subprocess that must run torch's `cap` kernels."""
+    import os
+
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=cap, PYTHONUNBUFFERED="1")
+    if cache_dir is not None:
+        env["XDG_CACHE_HOME"] = str(cache_dir)
+    return env
+
+
+if __name__ == "__main__":  # `python tests/helpers.py --other-capabilities`, for the Makefile
+    import sys
+
+    if sys.argv[1:] != ["--other-capabilities"]:
+        sys.exit("usage: helpers.py --other-capabilities")
+    native = torch.backends.cpu.get_cpu_capability().lower()
+    print(" ".join(c for c in cpu_capabilities() if c != native))

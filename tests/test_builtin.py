@@ -11,6 +11,7 @@ import time
 
 import httpx
 import openai
+import pytest
 import torch
 import transformers
 
@@ -44,6 +45,7 @@ def test_transformers_loads_the_teacher_and_agrees_greedily():
         assert greedy_ours(ours, ids, 16) == greedy_hf(hf, ids, 16)
 
 
+@pytest.mark.int4
 def test_generate_with_no_model_argument(capsys, tmp_path):
     stats = tmp_path / "s.json"
     code = cli.main(

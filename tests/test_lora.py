@@ -15,6 +15,8 @@ from edge0.sampling import SamplingParams
 from edge0.train.student import load_student
 from helpers import make_hf_model
 
+pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
+
 GREEDY = SamplingParams(temperature=0)
 
 

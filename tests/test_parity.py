@@ -37,6 +37,7 @@ def test_fp32_parity_with_transformers(tmp_path, case):
         assert greedy_ours(ours, prompt, 16) == greedy_hf(hf, prompt, 16)
 
 
+@pytest.mark.int4
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_int4_engine_matches_transformers_on_dequantized_weights(tmp_path, family):
     path = make_hf_model(tmp_path / "hf", family=family, scale=4.0)

@@ -20,6 +20,8 @@ from edge0.sampling import SamplingParams
 from edge0.train.heads import HeadsConfig, train_heads
 from helpers import TEXT, make_hf_model
 
+pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
+
 LAYERS = 6
 GREEDY = SamplingParams(temperature=0)
 
