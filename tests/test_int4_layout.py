@@ -13,6 +13,8 @@ from edge0 import int4_layout, quant
 from edge0.int4_layout import LAYOUTS, KernelLayoutError, host_layout, self_check
 from helpers import capability_env, cpu_capabilities
 
+pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
+
 SHAPES = [(32, 64), (96, 128), (160, 256), (1536, 128)]
 
 
@@ -96,8 +98,6 @@ def test_self_check_passes_on_the_host_and_catches_every_other_arrangement():
 PROBE = """
 import json, torch
 from edge0 import int4_layout
-
-pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 host = int4_layout.host_layout()
 ok = []
 pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
