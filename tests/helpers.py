@@ -87,7 +87,7 @@ def read_json(path: Path) -> dict:
 
 def greedy_ours(model, prompt: torch.Tensor, steps: int) -> list[int]:
     """Greedy decode through our model and its cache (prompt [T] -> new ids)."""
-    cache = model.new_cache()
+    cache = model.new_cache(prompt.shape[0] + steps)
     logits = model(prompt[None], Forward(cache), last_only=True)
     out = []
     for _ in range(steps):
@@ -108,6 +108,22 @@ def greedy_hf(hf, prompt: torch.Tensor, steps: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, prompt.shape[0] :].tolist()
+
+
+class DelayedReads:
+    """A test double for an ExpertFile whose every read takes `delay_s` longer (a slow disk)."""
+
+    def __init__(self, file, delay_s: float):
+        self.file, self.delay_s = file, delay_s
+
+    def read_run(self, *args):
+        import time
+
+        time.sleep(self.delay_s)
+        return self.file.read_run(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
 
 
 def cpu_capabilities() -> list[str]:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from edge0.checkpoint import Checkpoint, ExpertSource
+from edge0.checkpoint import Checkpoint, ExpertSource, ServedCheckpoint
 from edge0.models import FAMILIES
 
 GROUP = 64
@@ -97,16 +97,14 @@ def hf_to_mlx(
     src_fam = "qwen3_5_moe_text" if family == "qwen3_5_moe" else family
     fam = FAMILIES[src_fam]
     cfg = fam.Config.from_dict(raw)
-    ckpt = Checkpoint(hf_dir)
+    ckpt = ServedCheckpoint(Checkpoint(hf_dir), fam, cfg)
     to_mlx, to_hf = _family_names(family)
     mlx: dict[str, torch.Tensor] = {}
     equiv: dict[str, torch.Tensor] = {}
     expert_keys: set[str] = set()
     quant = {"group_size": GROUP, "bits": 4}
     for layer in range(cfg.num_hidden_layers):
-        src = ExpertSource(
-            ckpt, fam.EXPERT_PREFIX.format(layer=layer), fam.EXPERT_PROJ, cfg.num_experts
-        )
+        src = ExpertSource(ckpt, f"model.layers.{layer}.mlp.experts", cfg.num_experts)
         expert_keys.update(src.keys())
         experts = [src.expert(e) for e in range(cfg.num_experts)]
         stacked = {

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from edge0.chat import ChatSession, add_chat_parser, cmd_chat
-from edge0.engine import Engine, EngineOptions
+from edge0.engine import EngineOptions, load_engine
 from edge0.sampling import SamplingParams
 from test_server import ScriptedEngine, make_chat_model
 
@@ -36,7 +36,7 @@ def model_dir(tmp_path_factory):
 def session(model_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = Engine(model_dir, EngineOptions(max_context=512))
+    engine = load_engine(model_dir, EngineOptions(max_context=512))
     yield ChatSession(engine, SamplingParams(temperature=0), max_tokens=6)
     engine.close()
     torch.set_num_threads(threads)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from edge0.checkpoint import load_config
 from edge0.convert import convert
-from edge0.engine import Engine, EngineOptions
+from edge0.engine import EngineOptions, load_engine
 from edge0.loader import load_edge0_model, load_hf_model
 from edge0.models import FAMILIES
 from edge0.routing import sigmoid_group
@@ -209,16 +209,14 @@ def test_int4_engine_matches_transformers_on_dequantized_weights(tmp_path, name,
         assert all(f.get_slice(k).get_dtype() == "F32" for k in kept)
         assert bool(kept) == bool(keep)
     hf = served_reference(path, tmp_path / "e0", tmp_path / "served")
-    engine = Engine(tmp_path / "e0", EngineOptions())
+    engine = load_engine(tmp_path / "e0", EngineOptions())
     prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(2))
     seen = []
     try:
-        got = engine.generate(
-            prompt.tolist(),
-            16,
-            SamplingParams(temperature=0),
-            on_token=lambda tok, logits: seen.append(logits.clone()),
-        ).tokens
+        gen = engine.generate(prompt.tolist(), 16, SamplingParams(temperature=0))
+        for _, logprobs in gen:
+            seen.append(logprobs.clone())
+        got = gen.tokens
     finally:
         engine.close()
     with torch.no_grad():
@@ -226,12 +224,13 @@ def test_int4_engine_matches_transformers_on_dequantized_weights(tmp_path, name,
         ids = torch.cat([prompt, torch.tensor(got, dtype=torch.long)])
         ref = hf(ids[None]).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(got)]
         reference = greedy_hf(hf, prompt, 16)
-    diffs = (torch.stack(seen) - ref).abs().amax(dim=-1)  # per position
+    ref_logprobs = torch.log_softmax(ref, dim=-1)
+    diffs = (torch.stack(seen) - ref_logprobs).abs().amax(dim=-1)  # per position
     # how far below transformers' best each engine token is, on the same prefix
     shortfall = ref.max(dim=-1).values - ref.gather(1, torch.tensor(got)[:, None])[:, 0]
     same = sum(a == b for a, b in zip(got, reference, strict=False))
     print(
-        f"{name} int4 engine vs transformers (teacher-forced): logits |diff| median "
+        f"{name} int4 engine vs transformers (teacher-forced): logprobs |diff| median "
         f"{diffs.median():.2e}, max {diffs.max():.2e}; token shortfall max {shortfall.max():.2e}; "
         f"{same}/16 tokens equal to generate()"
     )

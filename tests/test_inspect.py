@@ -16,9 +16,9 @@ import pytest
 import torch
 import transformers
 
-from edge0 import memory
+from edge0 import builtin, memory
 from edge0.convert import convert
-from edge0.engine import Engine, EngineOptions
+from edge0.engine import EngineOptions, load_engine
 from edge0.inspect import add_inspect_parser, format_report, inspect_dir, kind_of
 from edge0.store.extents import ExtentLayout
 from helpers import make_hf_model
@@ -271,12 +271,14 @@ def test_35b_reproduces_the_audit(mlx_35b):
     assert r.resident["routers"].params == 40 * (256 + 1) * 2048
     assert r.unused.tensors == 0
     m = r.memory
+    f = m["floor"]
     assert m["state_source"].startswith("qwen3_5_moe")
-    assert m["floor_bytes"] == m["resident_weights_bytes"] + m["adapter_bytes"] + m["state_bytes"]
-    assert m["fits"] and m["predicted_peak_bytes"] == m["floor_bytes"] + m["pool_bytes"]
+    assert f["total"] == f["weights"] + f["adapter"] + f["heads"] + f["state"]
+    assert m["fits"] and m["predicted_peak_bytes"] == f["total"] + m["pool_bytes"]
     assert m["predicted_peak_bytes"] <= memory.parse_size("6G")
     # edge0 holds resident weights in bf16, not int4 as stored: 2 bytes per floor parameter
-    assert m["resident_weights_bytes"] == 2 * r.resident_total.params
+    assert f["weights"] == 2 * r.resident_total.params
+    assert f["heads"] == 4 * r.adapters["prerouter"].params  # stacked in fp32 on the CPU
 
 
 def test_35b_as_hugging_face_bf16_counts_the_same(tmp_path):
@@ -295,7 +297,7 @@ def test_35b_budget_too_small_says_so(mlx_35b):
     path, *_ = mlx_35b
     r = inspect_dir(path, top_k=4, memory_budget=memory.parse_size("3G"), dtype=torch.bfloat16)
     assert r.memory["fits"] is False and r.memory["predicted_peak_bytes"] is None
-    assert "below the floor" in r.memory["note"]
+    assert "below the resident floor" in r.memory["note"] and "more needed" in r.memory["note"]
     assert "does not fit" in format_report(r)
 
 
@@ -331,15 +333,47 @@ def test_three_formats_agree_with_transformers(tiny):
     assert reports["mlx"].total.bytes < reports["e0"].total.bytes < reports["hf"].total.bytes
 
 
-def test_memory_prediction_is_the_engines_budget(tiny):
-    budget = memory.parse_size("3M")
-    r = inspect_dir(tiny / "e0", memory_budget=budget, max_context=256)
-    engine = Engine(
-        tiny / "e0", EngineOptions(memory_budget=budget, max_context=256, io_mode="buffered")
-    )
+def measured_allocation(engine) -> dict[str, int]:
+    """What a loaded engine holds, counted from its tensors: weights (LoRA included), stacked
+    heads, one request's state, and the pool."""
+    model = engine.model
+    tensors = list(model.parameters()) + list(model.buffers())
+    heads = engine.prerouter.heads if engine.prerouter else None
+    with engine.new_request() as req:
+        state = req.cache.nbytes()
+    return {
+        "weights+adapter": sum(t.numel() * t.element_size() for t in tensors),
+        "heads": sum(w.numel() * w.element_size() for w in (heads.w1, heads.w2, heads.w0))
+        if heads
+        else 0,
+        "state": state,
+        "pool": engine.pool.capacity_bytes,
+    }
+
+
+@pytest.mark.parametrize("which", ["tiny", "builtin"])
+def test_inspect_predicts_the_engines_allocation(tiny, which):
+    """inspect's plan (headers only) against the bytes a loaded engine holds, on a model
+    without adapters and on the built-in model (prerouter heads and LoRA)."""
+    path = tiny / "e0" if which == "tiny" else builtin.model_dir()
+    budget = memory.parse_size("3M" if which == "tiny" else "64M")
+    r = inspect_dir(path, memory_budget=budget, max_context=256)
+    opts = EngineOptions(memory_budget=budget, max_context=256, io_mode="buffered")
+    engine = load_engine(path, opts)
     try:
-        assert r.memory["floor_bytes"] == engine.floor_bytes
-        assert r.memory["pool_bytes"] == engine.pool.capacity_bytes
+        got = measured_allocation(engine)
+        f = r.memory["floor"]
+        assert r.memory["top_k"] == engine.top_k
+        assert f["weights"] + f["adapter"] == got["weights+adapter"]
+        assert f["heads"] == got["heads"] and f["state"] == got["state"]
+        assert r.memory["pool_bytes"] == got["pool"]
+        assert r.memory == engine.plan.as_dict() | {
+            "fits": True,
+            "predicted_peak_bytes": engine.plan.total_bytes,
+            "state_source": r.memory["state_source"],
+        }
+        if which == "builtin":
+            assert f["adapter"] > 0 and f["heads"] > 0 and r.memory["staging_slots"] > 0
     finally:
         engine.close()
 
@@ -366,7 +400,7 @@ def test_not_a_moe_or_not_a_directory(tmp_path, tiny):
     )
     with pytest.raises(ValueError, match="no routed expert tensors"):
         inspect_dir(tmp_path / "dense")
-    with pytest.raises(ValueError, match="--top-k 99"):
+    with pytest.raises(ValueError, match="top_k 99"):
         inspect_dir(tiny / "hf", top_k=99)
 
 
@@ -379,7 +413,8 @@ def test_a_family_edge0_does_not_serve_is_still_inspected(tiny, tmp_path):
     r = inspect_dir(tmp_path / "x", max_context=100)
     assert r.total.params == inspect_dir(tiny / "hf").total.params
     assert r.memory["state_source"].startswith("config estimate")
-    assert r.memory["state_bytes"] == 3 * 100 * 2 * 2 * 16 * 4  # layers, tokens, K+V, G, Dh, fp32
+    state = r.memory["floor"]["state"]
+    assert state == 3 * 100 * 2 * 2 * 16 * 4  # layers, tokens, K+V, G, Dh, fp32
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from edge0 import lora, modeldir
 from edge0.convert import convert
-from edge0.engine import Engine, EngineOptions
+from edge0.engine import EngineOptions, load_engine
 from edge0.sampling import SamplingParams
 from edge0.train.student import load_student
 from helpers import make_hf_model
@@ -70,12 +70,12 @@ def test_engine_serves_it_and_no_lora_switches_it_off(model_dir, tmp_path):
     shutil.copytree(model_dir / "e0", tmp_path / "m")
     shutil.copy(model_dir / "adapter.safetensors", tmp_path / "m" / modeldir.LORA_FILE)
     ids = list(range(5, 25))
-    plain = Engine(model_dir / "e0")
-    on = Engine(tmp_path / "m")
-    off = Engine(tmp_path / "m", EngineOptions(no_lora=True))
+    plain = load_engine(model_dir / "e0")
+    on = load_engine(tmp_path / "m")
+    off = load_engine(tmp_path / "m", EngineOptions(no_lora=True))
     try:
         assert lora.adapters(on.model) and not lora.adapters(off.model)
-        a, b, c = (e.prefill(ids) for e in (plain, off, on))
+        a, b, c = (e.prefill(e.new_request(), ids) for e in (plain, off, on))
         assert torch.equal(a, b)
         assert (c - a).abs().max() > 1e-3  # the adapter changes the output
     finally:
@@ -112,9 +112,9 @@ def test_adapter_for_another_base_is_refused_unless_asked(model_dir, tmp_path):
     meta = dict(f.metadata, base_hash="0" * 64)
     save_file(f.tensors, str(tmp_path / "other.safetensors"), metadata=meta)
     shutil.copytree(model_dir / "e0", tmp_path / "m")
-    with pytest.raises(ValueError, match="trained for another base.*--lora-any-base"):
-        Engine(tmp_path / "m", EngineOptions(lora=tmp_path / "other.safetensors"))
-    e = Engine(
+    with pytest.raises(ValueError, match="trained for another base.*lora_any_base"):
+        load_engine(tmp_path / "m", EngineOptions(lora=tmp_path / "other.safetensors"))
+    e = load_engine(
         tmp_path / "m", EngineOptions(lora=tmp_path / "other.safetensors", lora_any_base=True)
     )
     assert lora.adapters(e.model)

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from edge0 import lora as lora_runtime
 from edge0.convert import convert
-from edge0.engine import Engine, EngineOptions
+from edge0.engine import EngineOptions, load_engine
 from edge0.loader import load_edge0_model
 from edge0.mlx_format import unpack
 from edge0.mlx_import import candidates, import_mlx
@@ -123,9 +123,9 @@ def test_import_is_byte_identical_to_converting_the_equivalent_floats(qwen3):
 
 
 def greedy(path, prompt):
-    engine = Engine(path, EngineOptions(io_mode="buffered"))
+    engine = load_engine(path, EngineOptions(io_mode="buffered"))
     try:
-        return engine.generate(prompt, 16, SamplingParams(temperature=0)).tokens
+        return engine.generate(prompt, 16, SamplingParams(temperature=0)).drain().tokens
     finally:
         engine.close()
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from edge0.convert import convert
-from edge0.engine import Engine, EngineOptions
+from edge0.engine import EngineOptions, load_engine
 from edge0.loader import load_edge0_model, load_hf_model
 from edge0.sampling import SamplingParams
 from helpers import greedy_hf, greedy_ours, make_hf_model
@@ -46,10 +46,10 @@ def test_int4_engine_matches_transformers_on_dequantized_weights(tmp_path, famil
     _, deq = load_edge0_model(tmp_path / "e0", experts="dequantized")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     hf.load_state_dict(deq.state_dict(), strict=True)
-    engine = Engine(tmp_path / "e0", EngineOptions())
+    engine = load_engine(tmp_path / "e0", EngineOptions())
     prompt = torch.randint(0, 384, (24,), generator=torch.Generator().manual_seed(2))
     try:
-        got = engine.generate(prompt.tolist(), 16, SamplingParams(temperature=0)).tokens
+        got = engine.generate(prompt.tolist(), 16, SamplingParams(temperature=0)).drain().tokens
     finally:
         engine.close()
     with torch.no_grad():

@@ -10,15 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from edge0.convert import convert
-from edge0.engine import Engine, EngineOptions
+from edge0.engine import EngineOptions, load_engine
 from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
-from edge0.models.layers import KVCache
 from edge0.prerouter.head import Prerouter, StackedHeads, Wiring, features
 from edge0.routing import topk_onehot
 from edge0.sampling import SamplingParams
 from edge0.train.heads import HeadsConfig, train_heads
-from helpers import TEXT, make_hf_model
+from helpers import TEXT, DelayedReads, make_hf_model
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
@@ -88,7 +87,7 @@ def test_file_roundtrip_and_clear_errors(dirs, tmp_path):
     assert pre.wiring.consumers == list(range(1, LAYERS))
     with pytest.raises(ValueError, match=r"prerouter.safetensors: .*shape"):
         Prerouter.load(dirs["pre"] / "prerouter.safetensors", 128, 8, list(range(LAYERS)))
-    with pytest.raises(FileNotFoundError, match="--no-prerouter"):
+    with pytest.raises(FileNotFoundError, match="no_prerouter"):
         Prerouter.load(tmp_path / "none.safetensors", 64, 8, list(range(LAYERS)))
 
 
@@ -105,17 +104,18 @@ def test_training_beats_the_warm_start_and_is_deterministic(dirs):
 
 
 def test_no_prerouter_is_the_exact_path(dirs):
-    plain = Engine(dirs["plain"])
-    off = Engine(dirs["pre"], EngineOptions(no_prerouter=True))
+    plain = load_engine(dirs["plain"])
+    off = load_engine(dirs["pre"], EngineOptions(no_prerouter=True))
     try:
         assert off.prerouter is None and plain.prerouter is None
         ids = prompt(plain)
-        a, b = plain.prefill(ids), off.prefill(ids)
+        ra, rb = plain.new_request(), off.new_request()
+        a, b = plain.prefill(ra, ids), off.prefill(rb, ids)
         assert torch.equal(a, b)
         for tok in [5, 17, 42, 99]:
-            assert torch.equal(plain.step(tok), off.step(tok))
-        g1 = plain.generate(ids, 20, GREEDY)
-        g2 = off.generate(ids, 20, GREEDY)
+            assert torch.equal(plain.step(ra, tok), off.step(rb, tok))
+        g1 = plain.generate(ids, 20, GREEDY).drain()
+        g2 = off.generate(ids, 20, GREEDY).drain()
         assert g1.tokens == g2.tokens and g2.stats.staged_experts == 0
     finally:
         plain.close()
@@ -125,21 +125,21 @@ def test_no_prerouter_is_the_exact_path(dirs):
 def test_staged_decode_equals_the_same_routing_computed_exactly(dirs):
     """Element-wise: the engine's prediction-routed decode vs a reference forward on the
     dequantized experts, given the very same predicted logits."""
-    engine = Engine(dirs["pre"])
+    engine = load_engine(dirs["pre"])
     _, ref = load_edge0_model(dirs["pre"], experts="dequantized")
     ref.set_top_k(engine.top_k)
     try:
         ids = prompt(engine)
-        engine.reset()
-        logits = engine.prefill(ids)
-        cache = KVCache(LAYERS)
+        req = engine.new_request()
+        logits = engine.prefill(req, ids)
+        cache = ref.new_cache(len(ids) + 13)
         with torch.no_grad():
             ref(torch.tensor([ids]), Forward(cache))
             worst = 0.0
             for _ in range(12):
                 tok = int(logits.argmax())
-                predicted = dict(engine.prerouter.predicted)
-                logits = engine.step(tok)
+                predicted = dict(req.pre.predicted)
+                logits = engine.step(req, tok)
                 want = ref(torch.tensor([[tok]]), Forward(cache, predicted), last_only=True)[0, -1]
                 worst = max(worst, ((logits - want).norm() / want.norm()).item())
         print(f"staged vs exact with the same routing: worst relative L2 {worst:.2e}")
@@ -151,10 +151,10 @@ def test_staged_decode_equals_the_same_routing_computed_exactly(dirs):
 
 def test_zero_drops_over_a_long_generation(dirs):
     # the smallest pool that stages every consumer: (layers + 1) * K slots
-    engine = Engine(dirs["pre"], EngineOptions(expert_cache=(LAYERS + 1) * 2 * 8192))
+    engine = load_engine(dirs["pre"], EngineOptions(expert_cache=(LAYERS + 1) * 2 * 8192))
 
     try:
-        g = engine.generate(prompt(engine), 160, SamplingParams(temperature=0.8, seed=3))
+        g = engine.generate(prompt(engine), 160, SamplingParams(temperature=0.8, seed=3)).drain()
         s = g.stats
         steps = len(g.tokens) - 1
         assert steps > 100
@@ -168,19 +168,18 @@ def test_zero_drops_over_a_long_generation(dirs):
 
 def test_request_outputs_do_not_depend_on_earlier_requests(dirs):
     ids_a, text_b = None, "class Point:"
-    fresh = Engine(dirs["pre"])
-    used = Engine(dirs["pre"])
+    fresh = load_engine(dirs["pre"])
+    used = load_engine(dirs["pre"])
     try:
         ids_a = prompt(used, "import os")
-        used.generate(ids_a, 30, SamplingParams(temperature=1.0, seed=1))
-        b1 = fresh.generate(prompt(fresh, text_b), 25, GREEDY)
-        b2 = used.generate(prompt(used, text_b), 25, GREEDY)
+        used.generate(ids_a, 30, SamplingParams(temperature=1.0, seed=1)).drain()
+        b1 = fresh.generate(prompt(fresh, text_b), 25, GREEDY).drain()
+        b2 = used.generate(prompt(used, text_b), 25, GREEDY).drain()
         assert b1.tokens == b2.tokens
-        fresh.reset()
-        used.reset()
-        l1, l2 = fresh.prefill(prompt(fresh, text_b)), used.prefill(prompt(used, text_b))
+        rf, ru = fresh.new_request(), used.new_request()
+        l1, l2 = fresh.prefill(rf, prompt(fresh, text_b)), used.prefill(ru, prompt(used, text_b))
         assert torch.equal(l1, l2)
-        assert torch.equal(fresh.step(7), used.step(7))
+        assert torch.equal(fresh.step(rf, 7), used.step(ru, 7))
     finally:
         fresh.close()
         used.close()
@@ -189,11 +188,11 @@ def test_request_outputs_do_not_depend_on_earlier_requests(dirs):
 def test_a_head_failing_on_the_heads_thread_fails_the_step(dirs):
     """Heads run on their own thread at decode; an error there must reach the caller of step,
     not be lost with the thread, and the engine must serve the next request."""
-    engine = Engine(dirs["pre"])
+    engine = load_engine(dirs["pre"])
     try:
         ids = prompt(engine)
-        engine.reset()
-        engine.prefill(ids)
+        req = engine.new_request()
+        engine.prefill(req, ids)
         one = engine.prerouter.heads.one
         threads = []
 
@@ -204,13 +203,14 @@ def test_a_head_failing_on_the_heads_thread_fails_the_step(dirs):
             return one(i, x)
 
         engine.prerouter.heads.one = failing
-        with pytest.raises(RuntimeError, match="head failed"):
-            engine.step(ids[-1])
+        with req, pytest.raises(RuntimeError, match="head failed"):
+            engine.step(req, ids[-1])
         assert any(name.startswith("edge0-heads") for name in threads)
         engine.prerouter.heads.one = one
-        fresh = Engine(dirs["pre"])
+        fresh = load_engine(dirs["pre"])
         try:
-            assert engine.generate(ids, 5, GREEDY).tokens == fresh.generate(ids, 5, GREEDY).tokens
+            a = engine.generate(ids, 5, GREEDY).drain().tokens
+            assert a == fresh.generate(ids, 5, GREEDY).drain().tokens
         finally:
             fresh.close()
     finally:
@@ -220,19 +220,17 @@ def test_a_head_failing_on_the_heads_thread_fails_the_step(dirs):
 def run_arm(path, no_prerouter: bool, tokens: list[int], ids: list[int]) -> dict:
 
     opts = EngineOptions(
-        no_prerouter=no_prerouter,
-        read_delay_s=0.02,
-        io_threads=16,
-        expert_cache=(LAYERS + 1) * 2 * 8192,
+        no_prerouter=no_prerouter, io_threads=16, expert_cache=(LAYERS + 1) * 2 * 8192
     )
-    engine = Engine(path, opts)
+    engine = load_engine(path, opts)
+    engine.pool.file = DelayedReads(engine.pool.file, 0.02)
     try:
-        engine.reset()
-        engine.prefill(ids)
-        before = engine.pool.stats.snapshot()
+        req = engine.new_request()
+        engine.prefill(req, ids)
+        before = engine.stats().pool
         for tok in tokens:
-            engine.step(tok)
-        d = engine.pool.stats.minus(before)
+            engine.step(req, tok)
+        d = engine.stats().pool.minus(before)
         return {"blocked_ms": d.blocked_ns / 1e6 / len(tokens), "bytes": d.bytes_read / len(tokens)}
     finally:
         engine.close()

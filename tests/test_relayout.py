@@ -10,7 +10,7 @@ import torch
 
 from edge0 import modeldir
 from edge0.convert import convert
-from edge0.engine import Engine, EngineOptions
+from edge0.engine import EngineOptions, load_engine
 from edge0.int4_layout import LAYOUTS, host_layout
 from edge0.sampling import SamplingParams
 from edge0.store.expert_file import ExpertFile, read_table
@@ -38,9 +38,9 @@ def others() -> list[str]:
 
 
 def greedy(path, **kw) -> list[int]:
-    engine = Engine(path, EngineOptions(**kw))
+    engine = load_engine(path, EngineOptions(**kw))
     try:
-        return engine.generate(PROMPT, 12, SamplingParams(temperature=0)).tokens
+        return engine.generate(PROMPT, 12, SamplingParams(temperature=0)).drain().tokens
     finally:
         engine.close()
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edge0.convert import convert
-from edge0.engine import Engine, EngineOptions, Generation, GenerationStats
+from edge0.engine import EngineOptions, Generation, GenerationStats, load_engine
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.cli import check_bind
 from edge0.server.prompt import ChatTemplate
@@ -73,7 +73,7 @@ def live_server(app):
 class Wrapped:
     """A test double: everything is the real engine's except what a subclass defines."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine):
         self._engine = engine
 
     def __getattr__(self, name):
@@ -83,19 +83,26 @@ class Wrapped:
 class SlowEngine(Wrapped):
     """Sleeps after every token, so a long request keeps the generation thread busy."""
 
-    def __init__(self, engine: Engine, delay_s: float):
+    def __init__(self, engine, delay_s: float):
         super().__init__(engine)
         self.delay_s = delay_s
         self.finished: list[Generation] = []
 
-    def generate(self, prompt, max_tokens, sampling=None, on_token=None):
-        def slow(token, logits):
-            time.sleep(self.delay_s)
-            return on_token(token, logits) if on_token else None
-
-        gen = self._engine.generate(prompt, max_tokens, sampling, slow)
+    def generate(self, prompt, max_tokens, sampling=None):
+        gen = self._engine.generate(prompt, max_tokens, sampling)
         self.finished.append(gen)
-        return gen
+        return SlowGeneration(gen, self.delay_s)
+
+
+class SlowGeneration(Wrapped):
+    def __init__(self, gen: Generation, delay_s: float):
+        super().__init__(gen)
+        self.delay_s = delay_s
+
+    def __iter__(self):
+        for item in self._engine:
+            time.sleep(self.delay_s)
+            yield item
 
 
 class ScriptedEngine(Wrapped):
@@ -103,25 +110,37 @@ class ScriptedEngine(Wrapped):
 
     script = ""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine):
         super().__init__(engine)
         self.prompts: list[list[int]] = []
 
-    def generate(self, prompt, max_tokens, sampling=None, on_token=None):
+    def generate(self, prompt, max_tokens, sampling=None):
         self.prompts.append(list(prompt))
         ids = self.tokenizer.encode(self.script, add_special_tokens=False)
-        out = Generation(finish_reason="stop")
-        for token in ids[:max_tokens]:
-            logits = torch.full((self.config.vocab_size,), -10.0)
+        return ScriptedGeneration(ids, prompt, max_tokens, self.config.vocab_size)
+
+
+class ScriptedGeneration:
+    """The Generation protocol over a fixed token list."""
+
+    def __init__(self, ids: list[int], prompt: list[int], max_tokens: int, vocab: int):
+        self.ids, self.prompt, self.max_tokens, self.vocab = ids, prompt, max_tokens, vocab
+        self.tokens: list[int] = []
+        self.finish_reason = "stop"
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+
+    def __iter__(self):
+        for token in self.ids[: self.max_tokens]:
+            logits = torch.full((self.vocab,), -10.0)
             logits[token] = 10.0
-            out.tokens.append(token)
-            if on_token is not None and on_token(token, logits):
-                break
-        else:
-            if len(ids) > max_tokens:
-                out.finish_reason = "length"
-        out.stats = GenerationStats(prompt_tokens=len(prompt), generated_tokens=len(out.tokens))
-        return out
+            self.tokens.append(token)
+            self.stats.generated_tokens = len(self.tokens)
+            yield token, torch.log_softmax(logits, dim=-1)
+        if len(self.ids) > self.max_tokens:
+            self.finish_reason = "length"
+
+    def close(self) -> None:
+        pass
 
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -131,7 +150,7 @@ class ScriptedEngine(Wrapped):
 def engine(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices; more threads only contend
-    e = Engine(make_chat_model(tmp_path_factory.mktemp("server")), EngineOptions())
+    e = load_engine(make_chat_model(tmp_path_factory.mktemp("server")), EngineOptions())
     yield e
     e.close()
     torch.set_num_threads(threads)

@@ -197,7 +197,7 @@ def test_pool_refuses_more_pins_than_slots(tmp_path):
     layout, _ = write_extents(tmp_path / "x.safetensors")
     pool = ExpertPool(ExpertFile(tmp_path / "x.safetensors", "buffered"), layout, layout.nbytes * 4)
     held = pool.request(0, [0, 1, 2])
-    with pytest.raises(PoolExhausted, match="Raise --memory-budget"):
+    with pytest.raises(PoolExhausted, match="Raise memory_budget"):
         pool.request(0, [3, 4])
     pool.release(held)
     pool.wait(pool.request(0, [3, 4]))  # evicts unpinned entries now

@@ -5,11 +5,9 @@ from __future__ import annotations
 import collections
 import json
 
-import torch
-
 from edge0 import builtin, cli
 from edge0.bench.ab import replay_tokens
-from edge0.engine import Engine, EngineOptions
+from edge0.engine import EngineOptions, load_engine
 from edge0.synth import Shape, synth
 
 SHAPE = Shape(
@@ -27,7 +25,7 @@ SHAPE = Shape(
 
 def routed_experts(model_dir, steps: int) -> dict[int, collections.Counter]:
     """Experts the engine requests per layer while decoding held-out text."""
-    engine = Engine(model_dir, EngineOptions(top_k=4, no_prerouter=True))
+    engine = load_engine(model_dir, EngineOptions(top_k=4, no_prerouter=True))
     seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     request = engine.pool.request
 
@@ -37,10 +35,10 @@ def routed_experts(model_dir, steps: int) -> dict[int, collections.Counter]:
 
     engine.pool.request = spy
     tokens = replay_tokens(model_dir, steps + 1)
-    with torch.inference_mode():
-        engine.prefill(tokens[:1])
+    with engine.new_request() as req:
+        engine.prefill(req, tokens[:1])
         for t in tokens[1:]:
-            engine.step(t)
+            engine.step(req, t)
     engine.close()
     return seen
 

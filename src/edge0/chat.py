@@ -32,7 +32,6 @@ class ChatSession:
         max_tokens: int,
         system: str | None = None,
         template_kwargs: dict | None = None,
-        max_context: int | None = None,
     ):
         from edge0.server.prompt import ChatTemplate
 
@@ -47,8 +46,7 @@ class ChatSession:
                 f"{engine.path}: the tokenizer config has no chat template; "
                 "use `edge0 generate` for raw prompts"
             )
-        limit = getattr(engine.config, "max_position_embeddings", None) or sys.maxsize
-        self.context = min(max_context or engine.options.max_context, limit)
+        self.context = engine.max_context
         self.messages: list[dict] = []
         self.last = None  # GenerationStats of the last answer
         self.last_prompt_tokens = 0
@@ -73,13 +71,13 @@ class ChatSession:
             )
         decoder = IncrementalDecoder(self.engine.tokenizer)
         self.interrupted = False
-
-        def on_token(token: int, _logits) -> bool:
+        gen = self.engine.generate(prompt.ids, min(self.max_tokens, room), self.sampling)
+        for token, _ in gen:
             out.write(decoder.push(token))
             out.flush()
-            return self.interrupted
-
-        gen = self.engine.generate(prompt.ids, min(self.max_tokens, room), self.sampling, on_token)
+            if self.interrupted:
+                gen.close()
+                break
         out.write(decoder.flush())
         out.flush()
         answer = self.engine.tokenizer.decode(gen.tokens, skip_special_tokens=True)
@@ -179,7 +177,6 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
     )
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--max-tokens", type=int, default=512, help="per answer (default 512)")
-    c.add_argument("--max-context", type=int, default=4096, help="context window (default 4096)")
     thinking = c.add_mutually_exclusive_group()
     thinking.add_argument("--think", dest="thinking", action="store_true", default=None)
     thinking.add_argument("--no-think", dest="thinking", action="store_false")
@@ -192,16 +189,15 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None):
     from edge0.cli import default_model_dir, engine_options, sampling_params
-    from edge0.engine import Engine
+    from edge0.engine import load_engine
 
     stdin = stdin if stdin is not None else sys.stdin  # None when started without one
     out = out or sys.stdout
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     opts = engine_options(args)
-    opts.max_context = args.max_context
     kwargs = {} if args.thinking is None else {"enable_thinking": args.thinking}
-    engine = Engine(args.model_dir or default_model_dir(), opts)
+    engine = load_engine(args.model_dir or default_model_dir(), opts)
     try:
         session = ChatSession(engine, sampling_params(args), args.max_tokens, args.system, kwargs)
         interactive = stdin is not None and stdin.isatty()

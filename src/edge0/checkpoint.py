@@ -193,15 +193,64 @@ class Checkpoint:
         return {f.name: sha256_file(f) for f in self.files}
 
 
-class ExpertSource:
-    """A layer's routed experts in a checkpoint, per-expert keys or transformers-5 fused keys."""
+class ServedCheckpoint:
+    """A checkpoint seen under the model's names: the family's `sanitize(cfg, key)` renames
+    each tensor or drops it (None: not served, e.g. a vision tower). Offers what convert and
+    the loaders read (keys, shape, get, files, hashes); tensors are still read one at a time.
+    """
 
-    def __init__(self, ckpt: Checkpoint, prefix: str, proj: tuple[str, str, str], num_experts: int):
-        self.ckpt, self.prefix, self.proj, self.num_experts = ckpt, prefix, proj, num_experts
+    def __init__(self, ckpt: Checkpoint, fam, cfg):
+        self.raw, self.path, self.files = ckpt, ckpt.path, ckpt.files
+        self._names: dict[str, str] = {}  # ours -> stored
+        for key in ckpt.keys():
+            ours = fam.sanitize(cfg, key)
+            if ours is None:
+                continue
+            if ours in self._names:
+                raise ValueError(
+                    f"{ckpt.path}: tensors {self._names[ours]!r} and {key!r} both map to {ours!r}"
+                )
+            self._names[ours] = key
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._names
+
+    def stored(self, key: str) -> str:
+        """The checkpoint's own name of one of our tensors."""
+        if key not in self._names:
+            raise KeyError(f"{self.path}: tensor {key!r} not found")
+        return self._names[key]
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.raw.get(self.stored(key))
+
+    def shape(self, key: str) -> list[int]:
+        return self.raw.shape(self.stored(key))
+
+    def dtype(self, key: str) -> str:
+        return self.raw.dtype(self.stored(key))
+
+    def hashes(self) -> dict[str, str]:
+        return self.raw.hashes()
+
+
+EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")  # per-expert names after sanitize
+
+
+class ExpertSource:
+    """A layer's routed experts under `prefix` (the MoE block's experts, in our names): per-expert
+    `{prefix}.{e}.{gate,up,down}_proj.weight`, or transformers-5 fused `{prefix}.gate_up_proj`
+    and `{prefix}.down_proj`."""
+
+    def __init__(self, ckpt: ServedCheckpoint, prefix: str, num_experts: int):
+        self.ckpt, self.prefix, self.proj, self.num_experts = ckpt, prefix, EXPERT_PROJ, num_experts
         self.fused = f"{prefix}.gate_up_proj" in ckpt
         if not self.fused:
             for e in range(num_experts):
-                for p in proj:
+                for p in EXPERT_PROJ:
                     key = f"{prefix}.{e}.{p}.weight"
                     if key not in ckpt:
                         raise ValueError(f"{ckpt.path}: expert tensor {key!r} is missing")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +23,24 @@ from edge0.store.relayout import POLICIES
 log = logging.getLogger("edge0")
 
 USER_ERRORS = (FileNotFoundError, NotADirectoryError, FileExistsError, ValueError, KeyError)
+
+# Library errors name option fields; the CLI says which flag sets each.
+FLAGS = {
+    "top_k": "--top-k",
+    "memory_budget": "--memory-budget",
+    "expert_cache": "--expert-cache",
+    "max_context": "--max-context",
+    "max_tokens": "--max-tokens",
+    "no_prerouter": "--no-prerouter",
+    "no_lora": "--no-lora",
+    "lora_any_base": "--lora-any-base",
+}
+_FIELD = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
+
+
+def with_flags(message: str) -> str:
+    """A library message with the flag of each option field it names, e.g. `top_k (--top-k)`."""
+    return _FIELD.sub(lambda m: f"{m[1]} ({FLAGS[m[1]]})", message)
 
 
 def default_model_dir() -> Path:
@@ -67,6 +86,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=IO_MODES,
         default="direct",
         help="how experts are read from disk (default: direct, i.e. O_DIRECT)",
+    )
+    g.add_argument(
+        "--max-context",
+        type=int,
+        default=4096,
+        help="tokens of prompt plus completion per request; the KV cache is allocated for it "
+        "(default 4096)",
     )
     g.add_argument("--io-threads", type=int, default=4, help="reader threads (default 4)")
     g.add_argument(
@@ -125,6 +151,7 @@ def engine_options(args: argparse.Namespace):
         expert_cache=args.expert_cache,
         io_mode=args.io_mode,
         io_threads=args.io_threads,
+        max_context=args.max_context,
         relayout=args.relayout,
         cache_dir=args.cache_dir,
         dtype=getattr(torch, args.dtype),
@@ -188,22 +215,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from edge0.engine import Engine
+    from edge0.engine import load_engine
     from edge0.tokenizer import IncrementalDecoder
 
-    engine = Engine(args.model_dir or default_model_dir(), engine_options(args))
-
+    engine = load_engine(args.model_dir or default_model_dir(), engine_options(args))
     try:
         prompt = engine.tokenizer.encode(args.prompt)
         decoder = IncrementalDecoder(engine.tokenizer)
-
-        def on_token(token: int, logits) -> None:
-
+        result = engine.generate(prompt, args.max_tokens, sampling_params(args))
+        sys.stdout.write(args.prompt)
+        for token, _ in result:
             sys.stdout.write(decoder.push(token))
             sys.stdout.flush()
-
-        sys.stdout.write(args.prompt)
-        result = engine.generate(prompt, args.max_tokens, sampling_params(args), on_token)
         sys.stdout.write(decoder.flush() + "\n")
         sys.stdout.flush()
         print(result.stats.line(), file=sys.stderr)
@@ -661,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"edge0: error: {msg}", file=sys.stderr)
+        print(f"edge0: error: {with_flags(str(msg))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -22,13 +22,20 @@ import torch
 from tqdm import tqdm
 
 from edge0 import int4_layout, memory, modeldir
-from edge0.checkpoint import Checkpoint, ExpertSource, check_dir, load_config, sha256_file
-from edge0.models.base import served_keys
+from edge0.checkpoint import (
+    Checkpoint,
+    ExpertSource,
+    ServedCheckpoint,
+    check_dir,
+    load_config,
+    sha256_file,
+)
+from edge0.loader import build, expert_prefixes
+from edge0.models.experts import ExpertSlot
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import LAYOUT_KEY, tensor_name
 from edge0.store.extents import ExtentLayout
 from edge0.store.writer import StreamingSafetensors
-from edge0.streaming.experts import StreamingExperts
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +69,7 @@ class ConvertReport:
 
 def expected_resident(fam, cfg) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the non-expert tensors the family's model declares."""
-    with torch.device("meta"):
-        model = fam.Model(cfg, experts=StreamingExperts)
+    model = build(fam, cfg, ExpertSlot)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
@@ -89,12 +95,10 @@ def _convert(hf_dir, out_dir, force: bool, progress: bool, int4: str | None) -> 
     src = check_dir(hf_dir, "Hugging Face model directory")
     out = check_out_dir(out_dir, force)
     fam, cfg = load_config(src)
-    ckpt = Checkpoint(src)
-
-    sources = {
-        i: ExpertSource(ckpt, fam.EXPERT_PREFIX.format(layer=i), fam.EXPERT_PROJ, cfg.num_experts)
-        for i in moe_layers(cfg, src)
-    }
+    ckpt = ServedCheckpoint(Checkpoint(src), fam, cfg)
+    moe_layers(cfg, src)  # a model without MoE layers is an error
+    prefixes = expert_prefixes(build(fam, cfg, ExpertSlot))
+    sources = {i: ExpertSource(ckpt, prefix, cfg.num_experts) for i, prefix in prefixes.items()}
     for source in sources.values():
         source.check_shapes(cfg.hidden_size, cfg.moe_intermediate_size)
     return write_model_dir(src, out, fam, cfg, ckpt, sources, progress=progress, t0=t0, int4=int4)
@@ -139,7 +143,6 @@ def write_model_dir(
     arrangement = int4_layout.by_name(int4) if int4 else int4_layout.host_layout()
     layout = ExtentLayout(cfg.hidden_size, cfg.moe_intermediate_size, arrangement)
     skip = {k for s in sources.values() for k in s.keys()}
-    skip |= set(ckpt.keys()) - set(served_keys(fam, cfg, ckpt.keys()))  # e.g. a vision tower
     resident = _check_resident(ckpt, expected_resident(fam, cfg), skip)
 
     tmp = out.with_name(out.name + ".partial")

@@ -1,27 +1,35 @@
-"""The engine: one model, one expert pool, one request's state at a time.
+"""The engine: a loaded model, its serving plan and expert pool, and the decode policy.
 
-It owns everything a request touches (KV cache, prerouter features, staged slots) and resets
-it between requests, so no output depends on an earlier request. The expert pool is shared
-across requests: that is the cache. Executors are installed explicitly per phase and layer
-role: whole-layer for prefill; at decode, staged for prediction-routed layers and exact for
-the rest. Without a prerouter (or with no_prerouter) every layer is gate-routed and exact.
+  load_engine(path, options) -> Engine   load the model, plan the memory, open the pool
+  Engine.new_request() -> Request        one request's state: its cache, its head features,
+                                         the pins of the experts staged for it
+  Engine.prefill(req, ids), step(req, t) one forward each; the executors travel in the call's
+                                         Forward, nothing is installed into the model
+  Engine.generate(prompt, ...)           a Generation: iterate it for (token, logprobs)
+
+Requests share the expert pool (that is the cache) and nothing else, so no output depends on an
+earlier request. Prefill runs every layer on the whole-layer path; at decode, prediction-routed
+layers run on what was staged for them and the rest on the exact path. Without a prerouter (or
+with no_prerouter) every layer is gate-routed and exact.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from edge0 import int4_layout, lora, memory, modeldir
+from edge0 import decode, int4_layout, lora, memory, modeldir
 from edge0.loader import load_edge0_model
-from edge0.models.base import Forward
-from edge0.prerouter.head import Prerouter, StackedHeads
-from edge0.prerouter.runtime import PrerouterRuntime
+from edge0.models.layers import KVCache
+from edge0.options import EngineOptions
+from edge0.plan import ServingPlan, make_plan, model_dir_sizes
+from edge0.prerouter.head import Prerouter
+from edge0.prerouter.runtime import PrerouterRuntime, PrerouterState, PrerouterStats
 from edge0.sampling import Sampler, SamplingParams
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import ExpertFile
@@ -37,26 +45,16 @@ from edge0.tokenizer import eos_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IO_MODE = "direct"
-
 
 @dataclass
-class EngineOptions:
-    top_k: int | None = None  # serve this many experts per token (default: native)
-    memory_budget: int | None = None  # bytes for resident floor + expert pool
-    expert_cache: int | None = None  # bytes for the expert pool (overrides the budget split)
-    io_mode: str = DEFAULT_IO_MODE
-    io_threads: int = 4
-    relayout: str = "cache"  # codes in another arrangement than the host's: "cache" or "on-read"
-    cache_dir: Path | None = None  # where "cache" keeps repacked copies (default ~/.cache/edge0)
-    dtype: torch.dtype = torch.float32
-    max_context: int = 4096  # sizes the KV part of the resident floor
-    read_delay_s: float = 0.0  # extra latency per read (tests of overlap)
-    prerouter: Path | None = None  # heads file (default: MODEL_DIR/prerouter.safetensors if any)
-    no_prerouter: bool = False  # gate-route every layer: the exact path, no heads, no slots
-    lora: Path | None = None  # adapter file (default: MODEL_DIR/lora.safetensors if any)
-    no_lora: bool = False  # serve the base projections only
-    lora_any_base: bool = False  # load an adapter whose base_hash differs from this model's
+class EngineStats:
+    """Counters since the engine started (subtract two snapshots for an interval)."""
+
+    pool: PoolStats
+    prerouter: PrerouterStats
+
+    def minus(self, other: EngineStats) -> EngineStats:
+        return EngineStats(self.pool.minus(other.pool), self.prerouter.minus(other.prerouter))
 
 
 @dataclass
@@ -94,251 +92,269 @@ class GenerationStats:
         )
 
 
-@dataclass
-class Generation:
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str = "length"
-    stats: GenerationStats = field(default_factory=GenerationStats)
+class Request:
+    """One request's state. Its decode executors read this request's staged experts."""
 
-
-def param_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-class Engine:
-    """Loads an edge0 directory and generates from it; see the module docstring."""
-
-    def __init__(self, model_dir: Path | str, options: EngineOptions | None = None):
-        self.options = opts = options or EngineOptions()
-        self.path = Path(model_dir)
-        self.manifest, self.model = load_edge0_model(self.path, opts.dtype, experts="streaming")
-        self.config = cfg = self.model.config
-        self.top_k = opts.top_k or self.manifest.served_top_k or cfg.num_experts_per_tok
-        if self.top_k != cfg.num_experts_per_tok:
-            self.model.set_top_k(self.top_k)
-
-        self.tokenizer = load_tokenizer(self.path)
-        self.eos = eos_ids(self.path, self.tokenizer)
-        self.moe_layers = self.model.moe_layers
-
-        self.lora_meta: dict[str, str] = {}
-        lora_path = opts.lora or self.path / modeldir.LORA_FILE
-        if not opts.no_lora and (opts.lora is not None or lora_path.exists()):
-            self.lora_meta = lora.load(
-                self.model,
-                lora_path,
-                base_hash=modeldir.base_hash(self.path),
-                allow_other_base=opts.lora_any_base,
-            )
-            self.model.to(opts.dtype)
-
-        heads, self.prerouter_meta = None, {}
-        heads_path = opts.prerouter or self.path / modeldir.PREROUTER_FILE
-        if not opts.no_prerouter and (opts.prerouter is not None or heads_path.exists()):
-            heads, self.prerouter_meta = Prerouter.load(  # fp16 as stored: only stacked below
-                heads_path, cfg.hidden_size, cfg.num_experts, self.moe_layers, torch.float16
-            )
-            trained_k = self.prerouter_meta.get("K")
-            if trained_k and int(trained_k) != self.top_k:
-                log.warning(
-                    "%s was trained at K=%s; serving K=%d", heads_path, trained_k, self.top_k
-                )
-
-        # The kernel's arrangement on this machine, checked by one small matmul before serving.
-        host = int4_layout.host_layout()
-        int4_layout.self_check(host)
-        layout = self.manifest.layout()
-        experts_path = experts_for_host(
-            self.path,
-            layout,
-            self.manifest.files.get(EXPERTS_FILE),
-            host,
-            opts.relayout,
-            opts.cache_dir,
-        )
-        kv_bytes = self.model.cache_bytes(opts.max_context, opts.dtype)
-        self.floor_bytes = (
-            param_bytes(self.model) + kv_bytes + (StackedHeads.nbytes(heads) if heads else 0)
-        )
-        self.pool = ExpertPool(
-            ExpertFile(experts_path, opts.io_mode),
-            layout.with_int4(host),
-            self._pool_bytes(layout.nbytes),
-            io_threads=opts.io_threads,
-            read_delay_s=opts.read_delay_s,
-        )
-        self._experts = {i: self.model.moe_block(i).experts for i in self.moe_layers}
-        self._exact = {i: ExactExecutor(self.pool, i) for i in self.moe_layers}
-        self._decode = self._exact
-        self.prerouter: PrerouterRuntime | None = None
-        if heads is not None:
-            self.prerouter = PrerouterRuntime(heads, self.model, self.pool)
-            self._decode = {
-                i: StagedExecutor(self.pool, i, self.prerouter)
-                if i in self.prerouter.consumers
-                else self._exact[i]
-                for i in self.moe_layers
-            }
-        self.cache = self.model.new_cache()
-
-    def _pool_bytes(self, extent: int) -> int:
-        opts, cfg = self.options, self.config
-        total = len(self.moe_layers) * cfg.num_experts * extent
-        minimum = self.top_k * extent  # one layer's routed experts at a time
-        if opts.expert_cache is not None:
-            pool = opts.expert_cache
-        elif opts.memory_budget is not None:
-            pool = opts.memory_budget - self.floor_bytes
-            if pool < minimum:
-                raise ValueError(
-                    f"--memory-budget {memory.format_bytes(opts.memory_budget)} is below the "
-                    f"resident "
-                    f"floor {memory.format_bytes(self.floor_bytes)} plus the minimum expert pool "
-                    f"{memory.format_bytes(minimum)} ({self.top_k} experts of {extent} bytes)"
-                )
-        else:  # everything if it fits in a quarter of what the machine has free
-            pool = min(total, max(minimum, memory.mem_available() // 4))
-        if pool < minimum:
-            raise ValueError(
-                f"--expert-cache {memory.format_bytes(pool)} holds fewer than "
-                f"{self.top_k} experts of {extent} bytes"
-            )
-        return min(pool, total)
-
-    # -- per-request state ------------------------------------------------------------------
-
-    def reset(self) -> None:
-        """Forget the current request: KV cache, head features, staged pins. The expert
-        cache is kept."""
-        self.cache = self.model.new_cache()
-        if self.prerouter is not None:
-            self.prerouter.reset()
+    def __init__(self, cache: KVCache, pre: PrerouterState | None, decode: dict):
+        self.cache, self.pre, self.decode = cache, pre, decode
 
     @property
     def position(self) -> int:
         return self.cache.length[0]
 
-    def _use(self, executors: dict[int, object]) -> None:
-        for i, ex in executors.items():
-            self._experts[i].executor = ex
+    def release(self) -> None:
+        """Unpin what this request staged (it keeps its cache until dropped)."""
+        if self.pre is not None:
+            self.pre.release()
+
+    def __enter__(self) -> Request:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engine:
+    """Load an edge0 directory for serving: model, adapters, plan, expert pool, heads."""
+    opts = options or EngineOptions()
+    path = Path(path)
+    manifest, model = load_edge0_model(path, opts.dtype, experts="streaming")
+    plan = make_plan(model_dir_sizes(path, manifest, model, opts), opts)
+    if plan.top_k != model.config.num_experts_per_tok:
+        model.set_top_k(plan.top_k)
+
+    lora_meta: dict[str, str] = {}
+    lora_path = opts.lora or path / modeldir.LORA_FILE
+    if not opts.no_lora and (opts.lora is not None or lora_path.exists()):
+        lora_meta = lora.load(
+            model,
+            lora_path,
+            base_hash=modeldir.base_hash(path),
+            allow_other_base=opts.lora_any_base,
+        )
+        model.to(opts.dtype)
+
+    heads, prerouter_meta = None, {}
+    heads_path = opts.prerouter or path / modeldir.PREROUTER_FILE
+    if not opts.no_prerouter and (opts.prerouter is not None or heads_path.exists()):
+        cfg = model.config
+        heads, prerouter_meta = Prerouter.load(  # fp16 as stored: only stacked below
+            heads_path, cfg.hidden_size, cfg.num_experts, model.moe_layers, torch.float16
+        )
+        trained_k = prerouter_meta.get("K")
+        if trained_k and int(trained_k) != plan.top_k:
+            log.warning("%s was trained at K=%s; serving K=%d", heads_path, trained_k, plan.top_k)
+
+    # The kernel's arrangement on this machine, checked by one small matmul before serving.
+    host = int4_layout.host_layout()
+    int4_layout.self_check(host)
+    layout = manifest.layout()
+    experts_path = experts_for_host(
+        path, layout, manifest.files.get(EXPERTS_FILE), host, opts.relayout, opts.cache_dir
+    )
+    pool = ExpertPool(
+        ExpertFile(experts_path, opts.io_mode),
+        layout.with_int4(host),
+        plan.pool_bytes,
+        io_threads=opts.io_threads,
+    )
+    prerouter = PrerouterRuntime(heads, model, pool) if heads is not None else None
+    return Engine(path, opts, manifest, model, plan, pool, prerouter, lora_meta, prerouter_meta)
+
+
+class Engine:
+    """A loaded model and its pool; see the module docstring. Build one with load_engine."""
+
+    def __init__(
+        self,
+        path: Path,
+        options: EngineOptions,
+        manifest: modeldir.Manifest,
+        model: torch.nn.Module,
+        plan: ServingPlan,
+        pool: ExpertPool,
+        prerouter: PrerouterRuntime | None,
+        lora_meta: dict[str, str],
+        prerouter_meta: dict[str, str],
+    ):
+        self.path, self.options, self.manifest, self.model = path, options, manifest, model
+        self.plan, self.pool, self.prerouter = plan, pool, prerouter
+        self.lora_meta, self.prerouter_meta = lora_meta, prerouter_meta
+        self.config = model.config
+        self.top_k = plan.top_k
+        self.moe_layers = model.moe_layers
+        self.tokenizer = load_tokenizer(path)
+        self.eos = eos_ids(path, self.tokenizer)
+        self._exact = {i: ExactExecutor(pool, i) for i in self.moe_layers}
+
+    @property
+    def max_context(self) -> int:
+        return self.plan.max_context
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters (pool reads and hits, prerouter staging and drops)."""
+        pre = self.prerouter.stats.snapshot() if self.prerouter else PrerouterStats()
+        return EngineStats(self.pool.stats.snapshot(), pre)
+
+    def preload_experts(self) -> None:
+        """Read every expert into the pool now (the pool must hold them all): a bench's
+        compute-only arm."""
+        for layer in self.moe_layers:
+            entries = self.pool.request(layer, list(range(self.config.num_experts)))
+            self.pool.wait(entries)
+            self.pool.release(entries)
+
+    def new_request(self) -> Request:
+        """Fresh per-request state: an empty cache for the plan's context, no predictions."""
+        cache = self.model.new_cache(self.plan.max_context, self.options.dtype)
+        if self.prerouter is None:
+            return Request(cache, None, self._exact)
+        pre = self.prerouter.new_state()
+        decode = {
+            i: StagedExecutor(self.pool, i, pre) if i in self.prerouter.consumers else ex
+            for i, ex in self._exact.items()
+        }
+        return Request(cache, pre, decode)
+
+    def check_context(self, req: Request, n: int) -> None:
+        """ValueError before any compute if n more tokens do not fit the request's context."""
+        if req.position + n > self.plan.max_context:
+            raise ValueError(
+                f"{req.position} + {n} tokens exceed the context of {self.plan.max_context} "
+                "tokens (max_context)"
+            )
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Run prompt tokens (appended to the current state); returns the last logits [V]."""
+    def prefill(self, req: Request, ids: list[int]) -> torch.Tensor:
+        """Run prompt tokens (appended to the request's state); returns the last logits [V]."""
         if not ids:
             raise ValueError("the prompt is empty")
+        self.check_context(req, len(ids))
         plan = PrefillPlan(
             self.pool, self.moe_layers, self.config.num_experts, len(ids) * self.top_k
         )
-        self._use({i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers})
-        pre = self.prerouter
+        executors = {i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers}
+        x = torch.tensor([ids], dtype=torch.long)
         try:
-            x = torch.tensor([ids], dtype=torch.long)
-            fwd = Forward(self.cache, observer=pre.observe if pre else None)  # gates route prompts
-            logits = self.model(x, fwd, last_only=True)
+            logits = decode.prefill(self.model, req.cache, x, req.pre, executors)
         finally:
             plan.release_all()
-        if pre is not None:
-            pre.flush()  # heads on the last prompt position: the first decode token is predicted
-        return logits[0, -1].float()
+        return logits[0].float()
 
     @torch.inference_mode()
-    def step(self, token: int) -> torch.Tensor:
+    def step(self, req: Request, token: int) -> torch.Tensor:
         """One decode step; returns the next logits [V]. With a prerouter, the consumers route
         by last step's predictions and this step's flush starts the next step's reads."""
-        self._use(self._decode)
+        self.check_context(req, 1)
         x = torch.tensor([[token]], dtype=torch.long)
-        pre = self.prerouter
-        if pre is None:
-            return self.model(x, Forward(self.cache), last_only=True)[0, -1].float()
-        logits = self.model(
-            x, Forward(self.cache, dict(pre.predicted), pre.observe), last_only=True
-        )
-        pre.flush()
-        return logits[0, -1].float()
+        return decode.step(self.model, req.cache, x, req.pre, req.decode)[0].float()
 
     def generate(
-        self,
-        prompt: list[int],
-        max_tokens: int,
-        sampling: SamplingParams | None = None,
-        on_token: Callable[[int, torch.Tensor], bool | None] | None = None,
+        self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None
     ) -> Generation:
-        """Reset, prefill, then sample up to max_tokens.
-
-        on_token(token, logits) sees each sampled token and the logits [V] it was drawn
-        from (before temperature); returning True stops the generation (finish "stop").
-        """
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        sampler = Sampler(sampling or SamplingParams())
-        self.reset()
-        out = Generation()
-        before = self.pool.stats.snapshot()
-        pre_before = self.prerouter.stats.snapshot() if self.prerouter else None
-        steps, decode_s = 0, 0.0
-        with memory.PeakSampler() as peaks:
-            t0 = time.perf_counter()
-            logits = self.prefill(prompt)
-            prefill_s = time.perf_counter() - t0
-            mid = self.pool.stats.snapshot()
-            for i in range(max_tokens):
-                token = sampler(logits)
-                if token in self.eos:
-                    out.finish_reason = "stop"
-                    break
-                out.tokens.append(token)
-                if on_token is not None and on_token(token, logits):
-                    out.finish_reason = "stop"
-                    break
-                if i + 1 < max_tokens:
-                    t = time.perf_counter()
-                    logits = self.step(token)
-                    decode_s += time.perf_counter() - t
-                    steps += 1
-        self._fill_stats(
-            out.stats,
-            len(prompt),
-            len(out.tokens),
-            steps,
-            prefill_s,
-            decode_s,
-            self.pool.stats.minus(before),
-            self.pool.stats.minus(mid),
-            peaks,
-        )
-        if self.prerouter is not None:
-            now, s = self.prerouter.stats, out.stats
-            s.prediction_routed_layers = len(self.prerouter.consumers)
-            s.staged_experts = now.staged - pre_before.staged
-            s.dropped = now.dropped - pre_before.dropped
-            s.head_ms_per_token = (now.head_ns - pre_before.head_ns) / 1e6 / max(1, steps + 1)
-        return out
-
-    def _fill_stats(
-        self,
-        s: GenerationStats,
-        n_prompt: int,
-        n_gen: int,
-        steps: int,
-        prefill_s: float,
-        decode_s: float,
-        total: PoolStats,
-        decode: PoolStats,
-        peaks,
-    ) -> None:
-        """Decode rates count decode steps (forward passes), not the token prefill produced."""
-        s.prompt_tokens, s.generated_tokens = n_prompt, n_gen
-        s.prefill_s, s.decode_s = prefill_s, decode_s
-        s.prefill_tok_s = n_prompt / prefill_s if prefill_s > 0 else 0.0
-        s.decode_tok_s = steps / decode_s if decode_s > 0 else 0.0
-        s.peak_anon_bytes, s.peak_file_bytes = peaks.peak_anon, peaks.peak_file
-        s.bytes_read, s.reads, s.cache_hits = total.bytes_read, total.reads, total.hits
-        s.blocked_ms_per_token = decode.blocked_ns / 1e6 / steps if steps else 0.0
-        s.expert_pool_bytes = self.pool.capacity_bytes
-        s.resident_floor_bytes = self.floor_bytes
+        """A new request: prefill `prompt`, then sample up to max_tokens. Iterate the result."""
+        return Generation(self, prompt, max_tokens, sampling or SamplingParams())
 
     def close(self) -> None:
         if self.prerouter is not None:
             self.prerouter.close()
         self.pool.close()
+
+
+class Generation:
+    """One request's generation. Iterating it yields (token, logprobs [V]) per sampled token,
+    logprobs from the logits it was drawn from (before temperature); it ends at an end-of-text
+    token ("stop") or max_tokens ("length"). Breaking out early is allowed: `close()` (or
+    reading `stats`) then ends it with finish_reason "stop". Afterwards: tokens, finish_reason,
+    stats."""
+
+    def __init__(self, engine: Engine, prompt: list[int], max_tokens: int, sampling):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) + max_tokens > engine.max_context:
+            raise ValueError(
+                f"the prompt's {len(prompt)} tokens plus max_tokens {max_tokens} exceed the "
+                f"context of {engine.max_context} tokens (max_context)"
+            )
+        self.engine, self.prompt, self.max_tokens = engine, prompt, max_tokens
+        self.sampler = Sampler(sampling)
+        self.tokens: list[int] = []
+        self.finish_reason = "stop"
+        self._stats: GenerationStats | None = None
+        self._it = self._run()
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        return self._it
+
+    def close(self) -> None:
+        self._it.close()
+
+    def drain(self) -> Generation:
+        """Run to the end without looking at the tokens as they come; returns self."""
+        for _ in self._it:
+            pass
+        return self
+
+    @property
+    def stats(self) -> GenerationStats:
+        if self._stats is None:
+            self.close()
+        if self._stats is None:  # closed before it started: nothing ran
+            self._stats = GenerationStats(prompt_tokens=len(self.prompt))
+        return self._stats
+
+    def _run(self) -> Iterator[tuple[int, torch.Tensor]]:
+        eng = self.engine
+        req = eng.new_request()
+        before = eng.stats()
+        steps, decode_s, prefill_s, mid = 0, 0.0, 0.0, before
+        peaks = memory.PeakSampler()
+        peaks.__enter__()
+        try:
+            t0 = time.perf_counter()
+            logits = eng.prefill(req, self.prompt)
+            prefill_s = time.perf_counter() - t0
+            mid = eng.stats()
+            for i in range(self.max_tokens):
+                token = self.sampler(logits)
+                if token in eng.eos:
+                    return
+                self.tokens.append(token)
+                yield token, torch.log_softmax(logits, dim=-1)
+                if i + 1 == self.max_tokens:
+                    self.finish_reason = "length"
+                    return
+                t = time.perf_counter()
+                logits = eng.step(req, token)
+                decode_s += time.perf_counter() - t
+                steps += 1
+        finally:
+            peaks.__exit__(None, None, None)
+            req.release()
+            self._stats = self._fill_stats(eng, before, mid, steps, prefill_s, decode_s, peaks)
+
+    def _fill_stats(self, eng, before, mid, steps, prefill_s, decode_s, peaks) -> GenerationStats:
+        """Decode rates count decode steps (forward passes), not the token prefill produced."""
+        now = eng.stats()
+        total, decode = now.minus(before), now.minus(mid)
+        s = GenerationStats(prompt_tokens=len(self.prompt), generated_tokens=len(self.tokens))
+        s.prefill_s, s.decode_s = prefill_s, decode_s
+        s.prefill_tok_s = len(self.prompt) / prefill_s if prefill_s > 0 else 0.0
+        s.decode_tok_s = steps / decode_s if decode_s > 0 else 0.0
+        s.peak_anon_bytes, s.peak_file_bytes = peaks.peak_anon, peaks.peak_file
+        s.bytes_read, s.reads, s.cache_hits = (
+            total.pool.bytes_read,
+            total.pool.reads,
+            total.pool.hits,
+        )
+        s.blocked_ms_per_token = decode.pool.blocked_ns / 1e6 / steps if steps else 0.0
+        s.expert_pool_bytes = eng.pool.capacity_bytes
+        s.resident_floor_bytes = eng.plan.floor.total
+        if eng.prerouter is not None:
+            s.prediction_routed_layers = len(eng.prerouter.consumers)
+            s.staged_experts = total.prerouter.staged
+            s.dropped = total.prerouter.dropped
+            s.head_ms_per_token = total.prerouter.head_ns / 1e6 / max(1, steps + 1)
+        return s

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from edge0 import memory
+from edge0 import memory, modeldir
 from edge0.checkpoint import INDEX_NAME, check_dir, is_adapter_file, read_header, read_json
 from edge0.mlx_format import QuantConfig, split_quantized
+from edge0.options import EngineOptions
+from edge0.plan import ModelSizes, make_plan, prediction_routed_layers, resolve_top_k
 from edge0.store.extents import ExtentLayout
 
 log = logging.getLogger(__name__)
@@ -255,10 +257,11 @@ def inspect_dir(
     hidden = int(_first(cfg, "hidden_size", "d_model", default=embed.shape[-1] if embed else 0))
     native_k = int(_first(cfg, "num_experts_per_tok", "moe_topk", "top_k", default=0))
     if not native_k and top_k is None:
-        raise ValueError(f"{path / 'config.json'}: no num_experts_per_tok; pass --top-k")
-    served_k = top_k or native_k
+        raise ValueError(f"{path / 'config.json'}: no num_experts_per_tok; pass top_k")
+    recorded_k = (manifest or {}).get("served_top_k")
+    served_k = resolve_top_k(top_k, recorded_k, native_k)
     if not 1 <= served_k <= n_experts:
-        raise ValueError(f"--top-k {served_k} must be between 1 and {n_experts}")
+        raise ValueError(f"top_k {served_k} must be between 1 and {n_experts}")
 
     # a token reads one embedding row, unless the table is also the output projection
     tied = resident["lm_head"].params == 0
@@ -312,15 +315,19 @@ def inspect_dir(
         },
     )
     if extent is not None:
-        report.memory = predict_memory(path, raw, report, extent, memory_budget, dtype, max_context)
+        options = EngineOptions(
+            top_k=top_k, memory_budget=memory_budget, dtype=dtype, max_context=max_context
+        )
+        report.memory = predict_memory(path, raw, report, fmt, extent, options, recorded_k)
     return report
 
 
 def read_adapters(path: Path) -> dict[str, Count]:
-    """Prerouter and LoRA files in the directory, counted per kind."""
+    """Prerouter and LoRA files in the directory, counted per kind. The phase-2 LoRA an edge0
+    directory keeps for its eval is not served, so it is not counted."""
     out: dict[str, Count] = {}
     for f in sorted(path.glob("*.safetensors")):
-        if not is_adapter_file(f):
+        if not is_adapter_file(f) or f.name == modeldir.LORA_SFT_FILE:
             continue
         kind = "prerouter" if f.name.startswith("prerouter") else "lora"
         c = out.setdefault(kind, Count())
@@ -334,16 +341,16 @@ def read_adapters(path: Path) -> dict[str, Count]:
 
 def state_bytes(path: Path, raw: dict, tokens: int, dtype: torch.dtype) -> tuple[int, str]:
     """Per-request state (KV cache, recurrent states) after `tokens` tokens, and its source:
-    the family's own `cache_bytes` when edge0 serves this family, else a config estimate."""
+    the model's own cache, allocated on the meta device, when edge0 serves this family, else a
+    config estimate."""
     from edge0.checkpoint import load_config
-    from edge0.streaming.experts import StreamingExperts
+    from edge0.loader import build
+    from edge0.models.experts import ExpertSlot
 
     try:
         fam, cfg = load_config(path)
-        with torch.device("meta"):
-            model = fam.Model(cfg, experts=StreamingExperts)
-        if hasattr(model, "cache_bytes"):
-            return model.cache_bytes(tokens, dtype), f"{cfg.model_type} cache_bytes"
+        cache = build(fam, cfg, ExpertSlot).new_cache(tokens, dtype, device="meta")
+        return cache.nbytes(), f"{cfg.model_type} cache"
     except ValueError as e:  # a family edge0 does not serve can still be inspected
         log.info("%s: state estimated from config.json (%s)", path, e)
     cfg = flat_config(raw)
@@ -364,50 +371,55 @@ def predict_memory(
     path: Path,
     raw: dict,
     r: Report,
+    fmt: str,
     extent: int,
-    budget: int | None,
-    dtype: torch.dtype,
-    max_context: int,
+    options: EngineOptions,
+    served_top_k: int | None,
 ) -> dict[str, object]:
-    """The engine's budget rule: floor = resident weights and adapters at the compute dtype
-    + per-request state at max_context; pool = budget - floor in whole extents, at most every
-    expert and at least K; peak = floor + pool (interpreter and allocator overhead excluded)."""
-    size = dtype.itemsize
-    weights = r.resident_total.params * size
-    adapters = sum(c.params for c in r.adapters.values()) * size
-    state, state_source = state_bytes(path, raw, max_context, dtype)
-    floor = weights + adapters + state
-    all_experts = r.moe_layers * r.experts_per_layer * extent
-    minimum = r.served_top_k * extent
-    out: dict[str, object] = {
-        "dtype": str(dtype).removeprefix("torch."),
-        "max_context": max_context,
-        "resident_weights_bytes": weights,
-        "adapter_bytes": adapters,
-        "state_bytes": state,
-        "state_source": state_source,
-        "floor_bytes": floor,
-        "extent_bytes": extent,
-        "experts_on_disk_bytes": all_experts,
-        "min_pool_bytes": minimum,
-        "decode_step_pool_bytes": r.served_top_k * r.moe_layers * extent,
-        "memory_budget": budget,
-    }
-    if budget is None:
-        out["predicted_peak_bytes"] = floor + minimum
-        out["note"] = "no --memory-budget: peak shown with the smallest pool (K extents)"
-        return out
-    pool = min(budget - floor, all_experts) // extent * extent  # the pool holds whole slots
-    out["pool_bytes"] = max(pool, 0)
-    out["fits"] = pool >= minimum
-    out["predicted_peak_bytes"] = floor + pool if pool >= minimum else None
-    if pool < minimum:
-        out["note"] = (
-            f"--memory-budget {memory.format_bytes(budget)} is below the floor "
-            f"{memory.format_bytes(floor)} plus {r.served_top_k} extents "
-            f"({memory.format_bytes(minimum)})"
-        )
+    """The engine's serving plan for this model (plan.py), from headers: the floor by part, the
+    pool in whole extents, the staging room; peak = floor + pool (interpreter and allocator
+    overhead excluded). A budget that cannot hold it is reported, not raised."""
+    state_source = state_bytes(path, raw, 1, options.dtype)[1]
+    pre = r.adapters.get("prerouter")
+    sizes = ModelSizes(
+        resident_params=r.resident_total.params,
+        moe_layers=r.moe_layers,
+        experts_per_layer=r.experts_per_layer,
+        extent_bytes=extent,
+        native_top_k=r.native_top_k,
+        served_top_k=served_top_k,
+        state_bytes=lambda n, dtype: state_bytes(path, raw, n, dtype)[0],
+        adapter_params=r.adapters["lora"].params if "lora" in r.adapters else 0,
+        head_params=pre.params if pre else 0,
+        prediction_routed_layers=_consumers(path, fmt, r.moe_layers) if pre else 0,
+        position_limit=_first(flat_config(raw), "max_position_embeddings", default=None),
+    )
+    try:
+        plan = make_plan(sizes, options)
+    except ValueError as e:
+        return {
+            "fits": False,
+            "predicted_peak_bytes": None,
+            "memory_budget": options.memory_budget,
+            "state_source": state_source,
+            "note": str(e),
+        }
+    out = plan.as_dict()
+    out.update(fits=True, predicted_peak_bytes=plan.total_bytes, state_source=state_source)
     return out
+
+
+def _consumers(path: Path, fmt: str, moe_layers: int) -> int:
+    """Prediction-routed layers of the directory's prerouter heads."""
+    if fmt == "edge0":
+        from edge0.checkpoint import load_config
+        from edge0.loader import build
+        from edge0.models.experts import ExpertSlot
+
+        fam, cfg = load_config(path)
+        layers = build(fam, cfg, ExpertSlot).moe_layers
+        return prediction_routed_layers(path / modeldir.PREROUTER_FILE, layers)
+    return max(0, moe_layers - 1)  # released heads: each MoE layer but the last predicts the next
 
 
 # -- text output and CLI ----------------------------------------------------------------------
@@ -453,25 +465,21 @@ def format_report(r: Report) -> str:
         f"{_gib(r.stored_floor['plus_one_decode_step_bytes'])}",
     ]
     m = r.memory
-    if m:
+    if m.get("fits"):
+        f = m["floor"]
         lines += [
             "",
-            f"  edge0 at {m['dtype']}, {m['max_context']} tokens of context:",
-            f"    floor {_gib(m['floor_bytes'])} = resident weights "
-            f"{_gib(m['resident_weights_bytes'])} + adapters {_gib(m['adapter_bytes'])} + "
-            f"state {_gib(m['state_bytes'])} ({m['state_source']})",
-            f"    experts on disk {_gib(m['experts_on_disk_bytes'])}; pool at least "
-            f"{_gib(m['min_pool_bytes'])}, one decode step {_gib(m['decode_step_pool_bytes'])}",
+            f"  edge0 at {m['dtype']}, K={m['top_k']}, {m['max_context']} tokens of context:",
+            f"    floor {_gib(f['total'])} = resident weights {_gib(f['weights'])} + LoRA "
+            f"{_gib(f['adapter'])} + prerouter heads {_gib(f['heads'])} + state "
+            f"{_gib(f['state'])} ({m['state_source']})",
+            f"    experts on disk {_gib(m['experts_bytes'])}; pool {m['pool_slots']} extents "
+            f"{_gib(m['pool_bytes'])} (staging needs {m['staging_slots']}); predicted peak "
+            f"{_gib(m['predicted_peak_bytes'])}",
         ]
-        if m["memory_budget"] is not None:
-            lines.append(
-                f"    --memory-budget {_gib(m['memory_budget'])}: pool "
-                f"{_gib(m.get('pool_bytes'))}, predicted peak {_gib(m['predicted_peak_bytes'])}"
-            )
-        else:
-            lines.append(f"    predicted peak {_gib(m['predicted_peak_bytes'])} ({m['note']})")
-        if m.get("note") and m["memory_budget"] is not None:
-            lines.append(f"    does not fit: {m['note']}")
+        lines += [f"    ({note})" for note in m["notes"]]
+    elif m:
+        lines += ["", f"  does not fit: {m['note']}"]
     return "\n".join(lines)
 
 

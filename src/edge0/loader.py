@@ -16,17 +16,21 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from edge0 import modeldir
-from edge0.checkpoint import Checkpoint, ExpertSource, check_dir, load_config
-from edge0.models.base import served_keys
+from edge0.checkpoint import Checkpoint, ExpertSource, ServedCheckpoint, check_dir, load_config
+from edge0.models.experts import ExpertSlot, ResidentExperts
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
-from edge0.streaming.experts import ResidentExperts, StreamingExperts
 
 
 def build(fam, cfg, experts) -> torch.nn.Module:
     """The family's model with parameters on the meta device (no memory, no init cost)."""
     with torch.device("meta"):
         return fam.Model(cfg, experts=experts)
+
+
+def expert_prefixes(model) -> dict[int, str]:
+    """Each MoE layer's routed experts in the state dict, e.g. `model.layers.3.mlp.experts`."""
+    return {i: f"{model.moe_block_path(i)}.experts" for i in model.moe_layers}
 
 
 def load_state(
@@ -58,7 +62,7 @@ def load_hf_model(path: Path | str, dtype: torch.dtype = torch.float32) -> torch
     """A Hugging Face MoE checkpoint with all experts resident as float parameters."""
     path = check_dir(path)
     fam, cfg = load_config(path)
-    ckpt = Checkpoint(path)
+    ckpt = ServedCheckpoint(Checkpoint(path), fam, cfg)
     model = build(
         fam,
         cfg,
@@ -66,17 +70,14 @@ def load_hf_model(path: Path | str, dtype: torch.dtype = torch.float32) -> torch
     )
     state = {}
     expert_keys = set()
-    for layer in model.moe_layers:
-        src = ExpertSource(
-            ckpt, fam.EXPERT_PREFIX.format(layer=layer), fam.EXPERT_PROJ, cfg.num_experts
-        )
+    for prefix in expert_prefixes(model).values():
+        src = ExpertSource(ckpt, prefix, cfg.num_experts)
         expert_keys.update(src.keys())
         experts = [src.expert(e) for e in range(cfg.num_experts)]
-        prefix = fam.EXPERT_PREFIX.format(layer=layer)
         state[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
         state[f"{prefix}.down_proj"] = torch.stack([d for _, _, d in experts])
         src.release()
-    for k in served_keys(fam, cfg, ckpt.keys()):
+    for k in ckpt.keys():
         if k not in expert_keys:
             state[k] = ckpt.get(k)
     load_state(model, state, str(path), dtype)
@@ -102,7 +103,7 @@ def load_edge0_model(
             f"{resident_path}: unreadable safetensors file ({e}); is it truncated?"
         ) from e
     if experts == "streaming":
-        model = build(fam, cfg, StreamingExperts)
+        model = build(fam, cfg, ExpertSlot)
     elif experts == "dequantized":
         model = build(
             fam,
@@ -111,7 +112,7 @@ def load_edge0_model(
                 cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
             ),
         )
-        state.update(dequantized_experts(path, manifest, fam, model.moe_layers))
+        state.update(dequantized_experts(path, manifest, expert_prefixes(model)))
     else:
         raise ValueError(f"experts must be 'streaming' or 'dequantized', not {experts!r}")
     load_state(model, state, str(resident_path), dtype)
@@ -119,7 +120,7 @@ def load_edge0_model(
 
 
 def dequantized_experts(
-    path: Path, manifest: modeldir.Manifest, fam, layers: list[int]
+    path: Path, manifest: modeldir.Manifest, prefixes: dict[int, str]
 ) -> dict[str, torch.Tensor]:
     """fp32 gate_up/down stacks for every MoE layer, from the extents as the kernel sees them."""
     layout = manifest.layout()
@@ -130,7 +131,7 @@ def dequantized_experts(
         )
     out = {}
     with open(path / EXPERTS_FILE, "rb") as f:
-        for layer in layers:
+        for layer, prefix in prefixes.items():
             if layer not in table:
                 raise ValueError(f"{path / EXPERTS_FILE}: no extents for layer {layer}")
             ext = table[layer]
@@ -143,7 +144,6 @@ def dequantized_experts(
                 w13, w2 = layout.dequantize(layout.views(buf))
                 w13s.append(w13)
                 w2s.append(w2)
-            prefix = fam.EXPERT_PREFIX.format(layer=layer)
             out[f"{prefix}.gate_up_proj"] = torch.stack(w13s)
             out[f"{prefix}.down_proj"] = torch.stack(w2s)
     return out

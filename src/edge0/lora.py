@@ -145,7 +145,7 @@ class LoraFile:
 def read(path: Path) -> LoraFile:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no LoRA file (run without it: --no-lora)")
+        raise FileNotFoundError(f"{path}: no LoRA file (serve without one: no_lora)")
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
@@ -169,7 +169,7 @@ def load(
     if base_hash and f.metadata.get("base_hash") not in (None, base_hash) and not allow_other_base:
         raise ValueError(
             f"{path} was trained for another base (base_hash {f.metadata['base_hash'][:12]}..., "
-            f"this model {base_hash[:12]}...); pass --lora-any-base to load it anyway"
+            f"this model {base_hash[:12]}...); set lora_any_base to load it anyway"
         )
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in f.tensors.items():

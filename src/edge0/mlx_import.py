@@ -42,11 +42,12 @@ from edge0.convert import (
     moe_layers,
     write_model_dir,
 )
+from edge0.loader import build
 from edge0.mlx_format import CONFIG_KEYS, QuantConfig, QuantTensor, dequantize, split_quantized
 from edge0.mlx_format import unpack as unpack_words
-from edge0.models.qwen3_5_moe import ZeroCenteredRMSNorm
+from edge0.models.experts import ExpertSlot
+from edge0.models.layers import ZeroCenteredRMSNorm
 from edge0.store.extents import ExtentLayout
-from edge0.streaming.experts import StreamingExperts
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +74,13 @@ def candidates(name: str) -> list[str]:
     return out
 
 
-def switch_prefix(fam, layer: int) -> str:
-    """Where MLX stacks a layer's experts, in our names: the experts' parent + `.switch_mlp`."""
-    return fam.EXPERT_PREFIX.format(layer=layer).rsplit(".", 1)[0] + ".switch_mlp"
+def switch_prefixes(model) -> dict[int, str]:
+    """Where MLX stacks each layer's experts, in our names: the MoE block + `.switch_mlp`."""
+    return {i: f"{model.moe_block_path(i)}.switch_mlp" for i in model.moe_layers}
 
 
-def zero_centred_norms(fam, cfg) -> set[str]:
+def zero_centred_norms(model) -> set[str]:
     """Weights of RMSNorms that scale by (1 + w): MLX's sanitize stores them as 1 + w."""
-    with torch.device("meta"):
-        model = fam.Model(cfg, experts=StreamingExperts)
     return {
         f"{name}.weight"
         for name, mod in model.named_modules()
@@ -115,19 +114,18 @@ class MLXCheckpoint:
         quantized, plain = split_quantized(table, self.quant, str(path))
         self.expected = expected_resident(fam, cfg)
         self.layers = moe_layers(cfg, path)
-        stacks = {
-            f"{switch_prefix(fam, i)}.{p}.weight": (i, p) for i in self.layers for p in MLX_PROJ
-        }
+        model = build(fam, cfg, ExpertSlot)
+        self.switch = switch_prefixes(model)
+        stacks = {f"{self.switch[i]}.{p}.weight": (i, p) for i in self.layers for p in MLX_PROJ}
         targets = set(self.expected) | set(stacks)
-        ignore = getattr(fam, "ignore_key", None)
         self.entries: dict[str, tuple[str, QuantTensor | None]] = {}  # ours -> (stored, quant)
         self.stacks: dict[int, dict[str, QuantTensor]] = {i: {} for i in self.layers}
         self.stack_names: dict[int, list[str]] = {i: [] for i in self.layers}
         stored = {f"{m}.weight": q for m, q in quantized.items()} | dict.fromkeys(plain)
         for key, qt in stored.items():
-            names = candidates(key)
+            names = [fam.sanitize(cfg, n) for n in candidates(key)]
             ours = next((n for n in names if n in targets), None)
-            if ours is None and ignore is not None and any(ignore(cfg, n) for n in names):
+            if ours is None and None in names:  # the family does not serve it
                 self.skipped.append(key)
                 continue
             ours = ours or key  # not ours: write_model_dir reports it as unexpected, by name
@@ -146,7 +144,7 @@ class MLXCheckpoint:
         convs = [k for k, (_, qt) in self.entries.items() if qt is None and self._is_conv(k)]
         # mlx-lm's sanitize moves conv1d to [C, W, 1] and shifts norms in the same pass
         self.sanitized = all(self.raw.shape(self.entries[k][0])[-1] == 1 for k in convs)
-        self.shifted = zero_centred_norms(fam, cfg) if self.sanitized else set()
+        self.shifted = zero_centred_norms(model) if self.sanitized else set()
         self._fds: dict[Path, int] = {}
 
     def _is_conv(self, name: str) -> bool:
@@ -229,7 +227,7 @@ class MLXExperts:
             qt = stacks.get(proj)
             if qt is None:
                 raise ValueError(
-                    f"{ckpt.path}: expert tensor {switch_prefix(fam, layer)}.{proj}.weight "
+                    f"{ckpt.path}: expert tensor {ckpt.switch[layer]}.{proj}.weight "
                     "is missing (looked for it with and without a language_model. prefix)"
                 )
             p = qt.params

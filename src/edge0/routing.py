@@ -58,3 +58,36 @@ def topk_onehot(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """indices [T, K] -> multi-hot [T, E] float (1 where an expert was selected)."""
     out = torch.zeros(*indices.shape[:-1], num_experts, device=indices.device)
     return out.scatter_(-1, indices, 1.0)
+
+
+class SoftmaxTopK:
+    """Qwen-MoE, OLMoE, Mixtral: `softmax_topk`, renormalised or not as the family says."""
+
+    def __init__(self, norm_topk_prob: bool):
+        self.norm_topk_prob = norm_topk_prob
+
+    def __call__(
+        self, logits: torch.Tensor, k: int, gate: torch.nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(logits, k, self.norm_topk_prob)
+
+
+class SigmoidGroup:
+    """DeepSeek-V3 / Ling: `sigmoid_group` with the gate's selection bias (`gate.bias`)."""
+
+    def __init__(self, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float):
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+
+    def __call__(
+        self, logits: torch.Tensor, k: int, gate: torch.nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return sigmoid_group(
+            logits,
+            gate.bias,
+            k,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.scaling,
+        )

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from edge0 import memory, runtime
-from edge0.engine import Engine, EngineOptions
+from edge0.engine import EngineOptions, load_engine
 
 
 def run(spec: dict) -> dict:
@@ -30,28 +30,24 @@ def run(spec: dict) -> dict:
         prerouter=Path(spec["prerouter"]) if arm == "prerouter" else None,
         no_lora=variant == "nolora",
     )
-    engine = Engine(spec["model_dir"], opts)
+    engine = load_engine(spec["model_dir"], opts)
     tokens = spec["tokens"]
     warmup = spec["warmup"]
-    with torch.inference_mode():
-        if arm == "resident":  # every expert in memory before timing: the compute-only step
-            for layer in engine.moe_layers:
-                entries = engine.pool.request(layer, list(range(engine.config.num_experts)))
-                engine.pool.wait(entries)
-                engine.pool.release(entries)
-        engine.reset()
-        engine.prefill(tokens[:1])
-        for tok in tokens[1 : 1 + warmup]:
-            engine.step(tok)
-        pool0 = engine.pool.stats.snapshot()
-        pre0 = engine.prerouter.stats.snapshot() if engine.prerouter else None
-        times = []
-        with memory.PeakSampler() as peaks:
-            for tok in tokens[1 + warmup :]:
-                t = time.perf_counter()
-                engine.step(tok)
-                times.append(time.perf_counter() - t)
-    d = engine.pool.stats.minus(pool0)
+    if arm == "resident":  # every expert in memory before timing: the compute-only step
+        engine.preload_experts()
+    req = engine.new_request()
+    engine.prefill(req, tokens[:1])
+    for tok in tokens[1 : 1 + warmup]:
+        engine.step(req, tok)
+    before = engine.stats()
+    times = []
+    with memory.PeakSampler() as peaks:
+        for tok in tokens[1 + warmup :]:
+            t = time.perf_counter()
+            engine.step(req, tok)
+            times.append(time.perf_counter() - t)
+    delta = engine.stats().minus(before)
+    d, pre = delta.pool, delta.prerouter
     n = len(times)
     out = {
         "arm": spec["arm"],
@@ -66,14 +62,12 @@ def run(spec: dict) -> dict:
         "mib_per_read": d.bytes_read / max(1, d.reads) / 2**20,
         "cache_hits_per_step": d.hits / n,
         "loads_per_step": d.loads / n,
-        "dropped": (engine.prerouter.stats.dropped - pre0.dropped) if engine.prerouter else 0,
-        "head_ms_per_step": (
-            (engine.prerouter.stats.head_ns - pre0.head_ns) / 1e6 / n if engine.prerouter else 0.0
-        ),
+        "dropped": pre.dropped,
+        "head_ms_per_step": pre.head_ns / 1e6 / n,
         "peak_anon_bytes": peaks.peak_anon,
         "peak_file_bytes": peaks.peak_file,
-        "pool_bytes": engine.pool.capacity_bytes,
-        "floor_bytes": engine.floor_bytes,
+        "pool_bytes": engine.plan.pool_bytes,
+        "floor_bytes": engine.plan.floor.total,
     }
     engine.close()
     return out

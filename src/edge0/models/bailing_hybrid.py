@@ -12,17 +12,18 @@ Shape legend: B batch, T tokens, D hidden, H linear heads, Dh their head dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge0.models import deepseek_v3, qwen3_moe
-from edge0.models.base import Forward, config_from_dict
-from edge0.models.delta_rule import causal_conv, gated_delta
-from edge0.models.layers import MLP, GatedRMSNorm, KVCache, RMSNorm, RotaryEmbedding
+from edge0.models import deepseek_v3
+from edge0.models.base import config_from_dict
+from edge0.models.blocks import CausalLM, DecoderLayer, ExpertsFactory
+from edge0.models.delta_rule import causal_conv, gated_delta, recurrent_state
+from edge0.models.layers import MLP, GatedRMSNorm, KVCache, RMSNorm, StateSpec
 
 ALIASES = dict(
     deepseek_v3.ALIASES,
@@ -99,6 +100,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(self.dh, cfg.rms_norm_eps, torch.sigmoid)
         self.dense = nn.Linear(c, d, bias=False)
         self.safe_gate, self.lower_bound = cfg.kda_safe_gate, cfg.kda_lower_bound
+        self.conv = w
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Log decay per key channel [B, T, H, Dh], <= 0."""
@@ -111,8 +113,7 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope, cache: KVCache | None) -> torch.Tensor:
         b, t, _ = x.shape
-        prev = None if cache is None else cache.state[self.layer]
-        window, state = prev or (None, None)  # conv window, recurrent state
+        window, state = recurrent_state(cache, self.layer)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         qkv, window = causal_conv(qkv.transpose(1, 2), weight, window)  # [B, 3C, T]
@@ -124,92 +125,32 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj(x).view(b, t, self.h, self.dh)
         return self.dense(self.o_norm(out.transpose(1, 2), gate).reshape(b, t, -1))
 
-
-class GatedMLA(deepseek_v3.MLA):
-    """DeepSeek-V3 MLA with a sigmoid gate per head; the output projection is `dense`."""
-
-    def __init__(self, cfg: Config, layer: int):
-        super().__init__(cfg, layer)
-        del self.o_proj  # the checkpoint names it `dense`
-        self.dense = nn.Linear(self.h * self.dv, cfg.hidden_size, bias=cfg.attention_bias)
-        self.g_proj = nn.Linear(cfg.hidden_size, self.h, bias=False)
-
-    def forward(self, x: torch.Tensor, rope, cache: KVCache | None) -> torch.Tensor:
-        b, t, _ = x.shape
-        gate = torch.sigmoid(self.g_proj(x).float()).to(x.dtype)[..., None]  # [B, T, H, 1]
-        out = self.heads(x, rope, cache) * gate
-        return self.dense(out.reshape(b, t, self.h * self.dv))
+    def cache_spec(self) -> StateSpec:
+        c = self.h * self.dh
+        return StateSpec(((3 * c, self.conv - 1), (self.h, self.dh, self.dh)), (False, True))
 
 
-class Router(deepseek_v3.Router):
-    """DeepSeek-V3's router; the checkpoint calls the selection bias `expert_bias`."""
+class Model(CausalLM):
+    embed_name = "word_embeddings"
 
-    def __init__(self, hidden: int, num_experts: int):
-        nn.Module.__init__(self)
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        self.register_buffer("expert_bias", torch.zeros(num_experts))
+    def decoder_layer(self, cfg: Config, i: int, experts: ExpertsFactory) -> DecoderLayer:
+        if cfg.layer_types[i] == "linear_attention":
+            mixer = KimiDeltaAttention(cfg, i)
+        else:  # DeepSeek-V3 MLA with a sigmoid gate per head; its output projection is `dense`
+            mixer = deepseek_v3.MLA(cfg, i, out_name="dense", gated=True)
+        if cfg.is_moe_layer(i):
+            router = deepseek_v3.Router(cfg.hidden_size, cfg.num_experts, "expert_bias")
+            mlp = deepseek_v3.moe(cfg, i, experts(i), router)
+        else:
+            mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps)
+        return DecoderLayer(("attention", mixer), ("mlp", mlp), norm)
 
-    @property
-    def bias(self) -> torch.Tensor:
-        return self.expert_bias
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Config, i: int, experts: Callable[[int], nn.Module]):
-        super().__init__()
-        linear = cfg.layer_types[i] == "linear_attention"
-        self.attention = KimiDeltaAttention(cfg, i) if linear else GatedMLA(cfg, i)
-        self.is_moe = cfg.is_moe_layer(i)
-        self.mlp = (
-            deepseek_v3.MoE(cfg, i, experts(i), router=Router)
-            if self.is_moe
-            else MLP(cfg.hidden_size, cfg.intermediate_size)
-        )
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope, fwd: Forward) -> torch.Tensor:
-        x = x + self.attention(self.input_layernorm(x), rope, fwd.cache)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, fwd) if self.is_moe else self.mlp(h))
+    def check_top_k(self, k: int) -> None:
+        self.config.check_top_k(k)
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: Config, experts: Callable[[int], nn.Module]):
-        super().__init__()
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, i, experts) for i in range(cfg.num_hidden_layers)]
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:  # the name the shared forward uses
-        return self.word_embeddings
-
-
-class Model(deepseek_v3.Model):
-    def __init__(self, cfg: Config, experts: Callable[[int], nn.Module]):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = Backbone(cfg, experts)
-        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def cache_bytes(self, tokens: int, dtype: torch.dtype) -> int:
-        cfg = self.config
-        full = cfg.layer_types.count("full_attention")
-        mla = full * tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype.itemsize
-        c = cfg.linear_num_heads * cfg.linear_head_dim
-        per_linear = 3 * c * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
-        per_linear += cfg.linear_num_heads * cfg.linear_head_dim**2 * 4  # fp32 state
-        return mla + (cfg.num_hidden_layers - full) * per_linear
-
-
-ignore_key = deepseek_v3.ignore_key
-EXPERT_PREFIX = qwen3_moe.EXPERT_PREFIX
-EXPERT_PROJ = qwen3_moe.EXPERT_PROJ
+sanitize = deepseek_v3.sanitize
 KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.expert_bias", "A_log", "dt_bias", "conv1d.weight")
 LORA_TARGETS = tuple(
     f"attention.{p}"

@@ -1,21 +1,23 @@
 """What every model family shares: the per-call Forward state and config helpers.
 
-A family file defines a config dataclass (`from_dict`, `is_moe_layer`), a `Model` with module
-names equal to the checkpoint's tensor names, `EXPERT_PREFIX` / `EXPERT_PROJ` (where its routed
-experts live in a Hugging Face checkpoint), `LORA_TARGETS` (projections, relative to a decoder
-layer, that the recovery LoRA may attach to), and optionally `ignore_key(cfg, key)` (checkpoint
-tensors it does not serve, such as a vision tower or multi-token-prediction layers) and
-`KEEP_FP32` (name suffixes `convert` keeps in fp32 rather than bf16: routers, selection biases).
+A family file defines a config dataclass (`from_dict`, `is_moe_layer`), a `Model` built on the
+skeleton in `blocks.py` from its declared pieces (mixers, norm, routing `select`), and
+`sanitize(key)`: a checkpoint tensor's name in the model, or None for tensors it does not serve
+(a vision tower, multi-token-prediction layers). It may declare `LORA_TARGETS` (projections,
+relative to a decoder layer, the recovery LoRA may attach to) and `KEEP_FP32` (name suffixes
+`convert` keeps in fp32 rather than bf16: routers, selection biases).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
+from edge0.models.experts import Executor
 from edge0.models.layers import KVCache
 
 # Observer signature: (layer, MoE input h [T, D], routing logits [T, E], executed top-k [T, K]).
@@ -23,11 +25,12 @@ RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None
 
 
 class Forward:
-    """Per-call state: the request's KV cache, and the engine's routing hooks.
+    """Per-call state: the request's cache, and the engine's hooks into routed layers.
 
     `predicted[layer]` holds logits [T, E] that replace that layer's router for this call
-    (prediction-as-routing); `observer` sees each MoE layer's input and executed experts.
-    With neither set, every layer routes by its own router: the exact path.
+    (prediction-as-routing); `observer` sees each MoE layer's input and executed experts;
+    `executors[layer]` computes that layer's experts (the engine's strategy for this phase).
+    With none set, every layer routes by its own router through its own experts module.
     """
 
     def __init__(
@@ -35,12 +38,14 @@ class Forward:
         cache: KVCache | None = None,
         predicted: dict[int, torch.Tensor] | None = None,
         observer: RoutingObserver | None = None,
+        executors: dict[int, Executor] | None = None,
     ):
         self.cache = cache
         self.predicted = predicted or {}
         self.observer = observer
+        self.executors = executors or {}
 
-    def router_logits(self, layer: int, h: torch.Tensor, router: torch.nn.Module) -> torch.Tensor:
+    def router_logits(self, layer: int, h: torch.Tensor, router: nn.Module) -> torch.Tensor:
         pred = self.predicted.get(layer)
         return router(h) if pred is None else pred
 
@@ -49,6 +54,10 @@ class Forward:
     ) -> None:
         if self.observer is not None:
             self.observer(layer, h, logits, indices)
+
+    def experts(self, layer: int, module: nn.Module) -> Executor:
+        """What computes this layer's experts in this call: the executor, else the module."""
+        return self.executors.get(layer, module)
 
     def position(self, layer: int) -> int:
         return 0 if self.cache is None else self.cache.length[layer]
@@ -79,10 +88,3 @@ def config_from_dict(cls, raw: dict[str, Any], aliases: dict[str, str] | None = 
     if missing:
         raise ValueError(f"config.json: missing required field(s) {', '.join(missing)}")
     return cls(**{k: v for k, v in data.items() if k in names})
-
-
-def served_keys(fam, cfg, keys: Iterable[str]) -> list[str]:
-    """The checkpoint tensors a family serves: those `fam.ignore_key(cfg, key)` names (a vision
-    tower, multi-token-prediction layers) are neither loaded nor an error."""
-    ignore = getattr(fam, "ignore_key", None)
-    return [k for k in keys if ignore is None or not ignore(cfg, k)]

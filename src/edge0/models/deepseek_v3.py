@@ -11,17 +11,17 @@ dn / dr / dv nope, rope and value head dims, E experts, K active experts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge0.models import qwen3_moe
-from edge0.models.base import Forward, config_from_dict
-from edge0.models.layers import MLP, KVCache, RMSNorm, apply_rotary, attend
-from edge0.routing import sigmoid_group
+from edge0.models.base import config_from_dict
+from edge0.models.blocks import CausalLM, DecoderLayer, ExpertsFactory, MoEBlock
+from edge0.models.layers import MLP, KVCache, KVSpec, RMSNorm, apply_rotary, attend
+from edge0.routing import SigmoidGroup
 
 ALIASES = {
     "n_routed_experts": "num_experts",
@@ -93,9 +93,13 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLA(nn.Module):
-    """Multi-head latent attention; its cache: (latent [B, 1, S, r], rope key [B, 1, S, dr])."""
+    """Multi-head latent attention; its cache: (latent [B, 1, S, r], rope key [B, 1, S, dr]).
 
-    def __init__(self, cfg: Config, layer: int):
+    `out_name` is the checkpoint's name of the output projection; `gated` adds Ling's sigmoid
+    gate per head (`g_proj`) on the attention output.
+    """
+
+    def __init__(self, cfg: Config, layer: int, out_name: str = "o_proj", gated: bool = False):
         super().__init__()
         self.layer, self.interleave = layer, cfg.rope_interleave
         self.h, self.r = cfg.num_attention_heads, cfg.kv_lora_rank
@@ -111,11 +115,21 @@ class MLA(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(d, self.r + self.dr, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
         self.kv_b_proj = nn.Linear(self.r, self.h * (self.dn + self.dv), bias=False)
-        self.o_proj = nn.Linear(self.h * self.dv, d, bias=bias)
+        self.out_name = out_name
+        self.add_module(out_name, nn.Linear(self.h * self.dv, d, bias=bias))
+        self.gated = gated
+        if gated:
+            self.g_proj = nn.Linear(d, self.h, bias=False)
 
     def forward(self, x: torch.Tensor, rope, cache: KVCache | None) -> torch.Tensor:
         b, t, _ = x.shape
-        return self.o_proj(self.heads(x, rope, cache).reshape(b, t, self.h * self.dv))
+        out = self.heads(x, rope, cache)  # [B, T, H, dv]
+        if self.gated:
+            out = out * torch.sigmoid(self.g_proj(x).float()).to(x.dtype)[..., None]
+        return self._modules[self.out_name](out.reshape(b, t, self.h * self.dv))
+
+    def cache_spec(self) -> KVSpec:
+        return KVSpec(1, self.r, self.dr)
 
     def heads(self, x: torch.Tensor, rope, cache: KVCache | None) -> torch.Tensor:
         """Attention output per head [B, T, H, dv], before the output projection."""
@@ -140,84 +154,56 @@ class MLA(nn.Module):
 
 
 class Router(nn.Module):
-    """The gate: fp32 logits, and the per-expert bias that steers selection only."""
+    """The gate: fp32 logits, and the per-expert bias (`bias_name` in the checkpoint) that
+    steers selection only."""
 
-    def __init__(self, hidden: int, num_experts: int):
+    def __init__(self, hidden: int, num_experts: int, bias_name: str = "e_score_correction_bias"):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        self.bias_name = bias_name
+        self.register_buffer(bias_name, torch.zeros(num_experts))
 
     @property
     def bias(self) -> torch.Tensor:
-        return self.e_score_correction_bias
+        return self._buffers[self.bias_name]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h.float(), self.weight.float())
 
 
-class MoE(qwen3_moe.SparseMoeBlock):
-    """Sigmoid-group routed experts plus resident shared experts."""
-
-    def __init__(self, cfg: Config, layer: int, experts: nn.Module, router=Router):
-        nn.Module.__init__(self)
-        self.layer, self.top_k, self.cfg = layer, cfg.num_experts_per_tok, cfg
-        self.gate = router(cfg.hidden_size, cfg.num_experts)
-        self.experts = experts
-        self.shared = bool(cfg.n_shared_experts)
-        if self.shared:
-            inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-            self.shared_experts = MLP(cfg.hidden_size, inter)
-
-    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.cfg
-        return sigmoid_group(
-            logits,
-            self.gate.bias,
-            self.top_k,
-            c.n_group,
-            c.topk_group,
-            c.norm_topk_prob,
-            c.routed_scaling_factor,
-        )
-
-    def forward(self, x: torch.Tensor, fwd: Forward) -> torch.Tensor:
-        b, t, d = x.shape
-        h = x.reshape(b * t, d)
-        weights, indices = self.route(h, fwd)
-        y = (self.experts(h, indices) * weights[..., None].to(h.dtype)).sum(dim=1)  # [T, D]
-        if self.shared:
-            y = y + self.shared_experts(h)
-        return y.view(b, t, d)
+def moe(cfg: Config, layer: int, experts: nn.Module, router: Router) -> MoEBlock:
+    """Sigmoid-group routed experts plus resident shared experts (if the config has them)."""
+    select = SigmoidGroup(
+        cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor
+    )
+    shared = None
+    if cfg.n_shared_experts:
+        inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+        shared = ("shared_experts", MLP(cfg.hidden_size, inter))
+    return MoEBlock(layer, router, select, experts, cfg.num_experts_per_tok, shared=shared)
 
 
-class Model(qwen3_moe.Model):
-    @staticmethod
-    def make_layer(cfg: Config, i: int, experts: Callable[[int], nn.Module]) -> nn.Module:
+class Model(CausalLM):
+    def decoder_layer(self, cfg: Config, i: int, experts: ExpertsFactory) -> DecoderLayer:
         mlp = (
-            MoE(cfg, i, experts(i))
+            moe(cfg, i, experts(i), Router(cfg.hidden_size, cfg.num_experts))
             if cfg.is_moe_layer(i)
             else MLP(cfg.hidden_size, cfg.intermediate_size)
         )
-        return qwen3_moe.DecoderLayer(cfg, MLA(cfg, i), mlp)
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps)
+        return DecoderLayer(("self_attn", MLA(cfg, i)), ("mlp", mlp), norm)
 
-    def set_top_k(self, k: int) -> None:
+    def check_top_k(self, k: int) -> None:
         self.config.check_top_k(k)
-        super().set_top_k(k)
-
-    def cache_bytes(self, tokens: int, dtype: torch.dtype) -> int:
-        cfg = self.config
-        per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype.itemsize
-        return cfg.num_hidden_layers * tokens * per_token
 
 
-def ignore_key(cfg: Config, key: str) -> bool:
-    """Multi-token-prediction layers, stored as decoder layers past the last one."""
+def sanitize(cfg: Config, key: str) -> str | None:
+    """Multi-token-prediction layers, stored as decoder layers past the last one, are not
+    served."""
     extra = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
-    return any(key.startswith(f"model.layers.{i}.") for i in extra)
+    return None if any(key.startswith(f"model.layers.{i}.") for i in extra) else key
 
 
-EXPERT_PREFIX = qwen3_moe.EXPERT_PREFIX
-EXPERT_PROJ = qwen3_moe.EXPERT_PROJ
 KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # as transformers does
 LORA_TARGETS = tuple(
     f"self_attn.{p}" for p in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")

@@ -18,6 +18,13 @@ import torch.nn.functional as F
 CHUNK = 64
 
 
+def recurrent_state(cache, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A linear-attention layer's (conv window, recurrent state) from a KVCache, or
+    (None, None) without a cache or before the layer's first token: both start at zeros."""
+    prev = None if cache is None else cache.state(layer)
+    return prev or (None, None)
+
+
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ Dh head dim, D hidden.
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -61,47 +61,96 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
 
 
-class KVCache:
-    """One request's per-layer state: growing key/value buffers for attention layers (views are
-    handed to attention), a fixed-size state tuple for recurrent layers (linear attention's
-    conv window and recurrent matrix). `length[layer]` counts the tokens each layer has seen.
+@dataclass(frozen=True)
+class KVSpec:
+    """An attention layer's cache: keys [B, heads, S, k_dim] and values [B, heads, S, v_dim].
+    MLA stores its compressed latent and rope key as the (k, v) pair."""
 
-    MLA layers store their compressed latent and rope key as the (k, v) pair.
+    heads: int
+    k_dim: int
+    v_dim: int
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A recurrent layer's fixed-size state, one tensor per shape (batch dim prepended);
+    `fp32` marks the ones kept in fp32 whatever the compute dtype (the delta-rule matrix)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    fp32: tuple[bool, ...]
+
+
+class ContextOverflow(ValueError):
+    """More tokens than the cache was allocated for."""
+
+
+class KVCache:
+    """One request's per-layer state, allocated once for `max_context` tokens (built on the
+    meta device it sizes the state without memory). Attention layers get key/value buffers
+    (views of the filled part are handed to attention); recurrent layers get their fixed-size
+    state (conv window, recurrent matrix), zero at the start. `length[layer]` counts the tokens
+    each layer has seen.
     """
 
-    def __init__(self, num_layers: int):
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.state: list[tuple[torch.Tensor, ...] | None] = [None] * num_layers
-        self.length = [0] * num_layers
+    def __init__(
+        self,
+        specs: list[KVSpec | StateSpec],
+        max_context: int,
+        dtype: torch.dtype,
+        batch: int = 1,
+        device: torch.device | str | None = None,
+    ):
+        self.max_context = max_context
+        n = len(specs)
+        self.k: list[torch.Tensor | None] = [None] * n
+        self.v: list[torch.Tensor | None] = [None] * n
+        self._state: list[tuple[torch.Tensor, ...] | None] = [None] * n
+        for i, spec in enumerate(specs):
+            if isinstance(spec, KVSpec):
+                shape = (batch, spec.heads, max_context)
+                self.k[i] = torch.empty(*shape, spec.k_dim, dtype=dtype, device=device)
+                self.v[i] = torch.empty(*shape, spec.v_dim, dtype=dtype, device=device)
+            else:
+                self._state[i] = tuple(
+                    torch.zeros(batch, *shape, dtype=torch.float32 if f else dtype, device=device)
+                    for shape, f in zip(spec.shapes, spec.fp32, strict=True)
+                )
+        self.length = [0] * n
+
+    def state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """A recurrent layer's state, or None before its first token (the layer then starts
+        from zeros itself: the same numbers, without reading the buffers)."""
+        return self._state[layer] if self.length[layer] else None
 
     def update_state(self, layer: int, state: tuple[torch.Tensor, ...], t: int) -> None:
-        """Replace a recurrent layer's state after it consumed t more tokens."""
-        self.state[layer] = state
+        """Store a recurrent layer's state after it consumed t more tokens."""
+        self._check(layer, t)
+        for buf, new in zip(self._state[layer], state, strict=True):
+            buf.copy_(new)
         self.length[layer] += t
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [B, G, T, Dh]; return all cached [B, G, S, Dh]."""
+        """Append k, v [B, G, T, *]; return all cached [B, G, S, *]."""
         n, t = self.length[layer], k.shape[2]
+        self._check(layer, t)
         buf_k, buf_v = self.k[layer], self.v[layer]
-        if buf_k is None or n + t > buf_k.shape[2]:
-            cap = max(64, 2 ** math.ceil(math.log2(n + t)))
-            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            new_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
-            if buf_k is not None:
-                new_k[:, :, :n] = buf_k[:, :, :n]
-                new_v[:, :, :n] = buf_v[:, :, :n]
-            self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
         buf_k[:, :, n : n + t] = k
         buf_v[:, :, n : n + t] = v
         self.length[layer] = n + t
         return buf_k[:, :, : n + t], buf_v[:, :, : n + t]
 
+    def _check(self, layer: int, t: int) -> None:
+        if self.length[layer] + t > self.max_context:
+            raise ContextOverflow(
+                f"{self.length[layer]} + {t} tokens exceed the {self.max_context}-token context "
+                "this cache was allocated for"
+            )
+
     def nbytes(self) -> int:
         tensors = [t for t in self.k + self.v if t is not None]
-        tensors += [t for s in self.state if s is not None for t in s]
+        tensors += [t for s in self._state if s is not None for t in s]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -133,7 +182,9 @@ def attend(
 
 
 class Attention(nn.Module):
-    """GQA self-attention with optional q/k RMSNorm (Qwen3) and optional q/k/v bias (Qwen2)."""
+    """GQA self-attention. Per family: q/k RMSNorm per head (Qwen3, Qwen3.5) or over the whole
+    projection (OLMoE), q/k/v bias (Qwen2), q/k/v clipping (OLMoE), sliding window (Mixtral),
+    and a sigmoid output gate that q_proj computes beside each head's query (Qwen3.5)."""
 
     def __init__(
         self,
@@ -142,40 +193,62 @@ class Attention(nn.Module):
         kv_heads: int,
         head_dim: int,
         *,
-        qk_norm: bool,
+        qk_norm: str | None,
         qkv_bias: bool,
         o_bias: bool = False,
         eps: float,
         layer: int,
         window: int | None = None,
+        clip: float | None = None,
+        output_gate: bool = False,
+        norm: type[nn.Module] = RMSNorm,
     ):
         super().__init__()
+        if qk_norm not in (None, "head", "full"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', not {qk_norm!r}")
         self.heads, self.kv_heads, self.head_dim, self.layer = heads, kv_heads, head_dim, layer
-        self.window = window
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.window, self.clip, self.qk_norm, self.output_gate = window, clip, qk_norm, output_gate
+        q_out = heads * head_dim * (2 if output_gate else 1)  # per head: [query | gate]
+        self.q_proj = nn.Linear(hidden, q_out, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
-        if qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps)
-            self.k_norm = RMSNorm(head_dim, eps)
-        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm, self.k_norm = norm(head_dim, eps), norm(head_dim, eps)
+        elif qk_norm == "full":
+            self.q_norm = norm(heads * head_dim, eps)
+            self.k_norm = norm(kv_heads * head_dim, eps)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        if self.qk_norm:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(b, t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        v = v.view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, Dh]
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        return self.o_proj(attend(q, k, v, self.head_dim**-0.5, self.window))
+        out = attend(q, k, v, self.head_dim**-0.5, self.window)  # [B, T, H*Dh]
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(b, t, -1))
+        return self.o_proj(out)
+
+    def cache_spec(self) -> KVSpec:
+        return KVSpec(self.kv_heads, self.head_dim, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -189,6 +262,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm whose stored weight w scales by (1 + w) (Qwen3.5/3.6)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -1,19 +1,17 @@
 """Mixtral (`model_type: mixtral`): GQA attention (optionally sliding-window) and a softmax-top-k
 renormalised router over experts stored as `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up,
 down); no shared expert, every layer MoE. `intermediate_size` is the expert width.
-Shape legend: B batch, T tokens, D hidden.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
 from dataclasses import dataclass
-
-import torch
-from torch import nn
+from functools import partial
 
 from edge0.models import qwen3_moe
-from edge0.models.base import Forward, config_from_dict
+from edge0.models.base import config_from_dict
+from edge0.models.blocks import CausalLM, DecoderLayer, ExpertsFactory
 from edge0.models.layers import Attention, RMSNorm
 
 
@@ -40,38 +38,35 @@ class Config(qwen3_moe.Config):
         )
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Config, layer: int, experts: nn.Module):
-        super().__init__()
-        self.self_attn = Attention(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            qk_norm=False,
-            qkv_bias=False,
-            eps=cfg.rms_norm_eps,
-            layer=layer,
-            window=cfg.sliding_window,
-        )
-        self.block_sparse_moe = qwen3_moe.SparseMoeBlock(cfg, layer, experts)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope, fwd: Forward) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, fwd.cache)
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x), fwd)
+def attention(cfg: Config, layer: int) -> Attention:
+    return Attention(
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        qk_norm=None,
+        qkv_bias=False,
+        eps=cfg.rms_norm_eps,
+        layer=layer,
+        window=cfg.sliding_window,
+    )
 
 
-class Model(qwen3_moe.Model):
-    @staticmethod
-    def make_layer(cfg: Config, i: int, experts: Callable[[int], nn.Module]) -> nn.Module:
-        return DecoderLayer(cfg, i, experts(i))
-
-    def moe_block(self, layer: int) -> qwen3_moe.SparseMoeBlock:
-        return self.backbone.layers[layer].block_sparse_moe
+class Model(CausalLM):
+    def decoder_layer(self, cfg: Config, i: int, experts: ExpertsFactory) -> DecoderLayer:
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps)
+        moe = qwen3_moe.moe(cfg, i, experts(i))
+        return DecoderLayer(("self_attn", attention(cfg, i)), ("block_sparse_moe", moe), norm)
 
 
-EXPERT_PREFIX = "model.layers.{layer}.block_sparse_moe.experts"
-EXPERT_PROJ = ("w1", "w3", "w2")
+_EXPERT = re.compile(r"(.+\.block_sparse_moe\.experts\.\d+)\.w([123])\.weight")
+_PROJ = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
+
+
+def sanitize(cfg: Config, key: str) -> str | None:
+    """Experts' w1/w3/w2 are the gate/up/down projections every family's experts have."""
+    m = _EXPERT.fullmatch(key)
+    return f"{m[1]}.{_PROJ[m[2]]}.weight" if m else key
+
+
 LORA_TARGETS = qwen3_moe.LORA_TARGETS

@@ -2,20 +2,20 @@
 
 Attention has q/k/v bias (`qkv_bias`) and no q/k norm. The shared expert is resident; only
 routed experts stream.
-Shape legend: B batch, T tokens, D hidden, K active experts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
-import torch
 from torch import nn
 
 from edge0.models import qwen3_moe
-from edge0.models.base import Forward, config_from_dict
-from edge0.models.layers import MLP, Attention
+from edge0.models.base import config_from_dict
+from edge0.models.blocks import CausalLM, DecoderLayer, ExpertsFactory, MoEBlock
+from edge0.models.layers import MLP, Attention, RMSNorm
+from edge0.routing import SoftmaxTopK
 
 
 @dataclass
@@ -34,46 +34,45 @@ class Config(qwen3_moe.Config):
         return config_from_dict(cls, raw, aliases={"num_local_experts": "num_experts"})
 
 
-class SparseMoeBlock(qwen3_moe.SparseMoeBlock):
-    def __init__(self, cfg: Config, layer: int, experts: nn.Module):
-        super().__init__(cfg, layer, experts)
-        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-
-    def forward(self, x: torch.Tensor, fwd: Forward) -> torch.Tensor:
-        b, t, d = x.shape
-        h = x.reshape(b * t, d)
-        weights, indices = self.route(h, fwd)
-        y = (self.experts(h, indices) * weights[..., None].to(h.dtype)).sum(
-            dim=1
-        )  # [T, K, D] -> [T, D]
-        y = y + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
-        return y.view(b, t, d)
+def attention(cfg: Config, layer: int) -> Attention:
+    return Attention(
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        qk_norm=None,
+        qkv_bias=cfg.qkv_bias,
+        eps=cfg.rms_norm_eps,
+        layer=layer,
+    )
 
 
-class Model(qwen3_moe.Model):
-    @staticmethod
-    def make_layer(cfg: Config, i: int, experts: Callable[[int], nn.Module]) -> nn.Module:
-        attn = Attention(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            qk_norm=False,
-            qkv_bias=cfg.qkv_bias,
-            eps=cfg.rms_norm_eps,
-            layer=i,
-        )
+def moe(cfg, layer: int, experts: nn.Module) -> MoEBlock:
+    """Softmax-top-k routed experts plus the shared expert, scaled by sigmoid(its gate)."""
+    d = cfg.hidden_size
+    return MoEBlock(
+        layer,
+        nn.Linear(d, cfg.num_experts, bias=False),
+        SoftmaxTopK(cfg.norm_topk_prob),
+        experts,
+        cfg.num_experts_per_tok,
+        shared=("shared_expert", MLP(d, cfg.shared_expert_intermediate_size)),
+        shared_gate=nn.Linear(d, 1, bias=False),
+    )
+
+
+class Model(CausalLM):
+    def decoder_layer(self, cfg: Config, i: int, experts: ExpertsFactory) -> DecoderLayer:
         mlp = (
-            SparseMoeBlock(cfg, i, experts(i))
+            moe(cfg, i, experts(i))
             if cfg.is_moe_layer(i)
             else MLP(cfg.hidden_size, cfg.intermediate_size)
         )
-        return qwen3_moe.DecoderLayer(cfg, attn, mlp)
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps)
+        return DecoderLayer(("self_attn", attention(cfg, i)), ("mlp", mlp), norm)
 
 
-EXPERT_PREFIX = qwen3_moe.EXPERT_PREFIX
-EXPERT_PROJ = qwen3_moe.EXPERT_PROJ
+sanitize = qwen3_moe.sanitize
 LORA_TARGETS = qwen3_moe.LORA_TARGETS + (
     "mlp.shared_expert.gate_proj",
     "mlp.shared_expert.up_proj",

@@ -12,23 +12,23 @@ Hk / Hv linear key / value heads, Dk / Dv their dims.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edge0.models import qwen2_moe, qwen3_moe
-from edge0.models.base import Forward, config_from_dict
-from edge0.models.delta_rule import causal_conv, gated_delta
+from edge0.models import qwen2_moe
+from edge0.models.base import config_from_dict
+from edge0.models.blocks import CausalLM, DecoderLayer, ExpertsFactory
+from edge0.models.delta_rule import causal_conv, gated_delta, recurrent_state
 from edge0.models.layers import (
+    Attention,
     GatedRMSNorm,
     KVCache,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-    attend,
+    StateSpec,
+    ZeroCenteredRMSNorm,
 )
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -98,18 +98,6 @@ class Config:
         return True
 
 
-class ZeroCenteredRMSNorm(RMSNorm):
-    """RMSNorm whose stored weight w scales by (1 + w)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__(dim, eps)
-        nn.init.zeros_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
-
-
 class GatedDeltaNet(nn.Module):
     """Linear attention: causal conv over [q|k|v], then the gated delta rule per value head."""
 
@@ -124,16 +112,16 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(d, self.hv, bias=False)
         self.in_proj_a = nn.Linear(d, self.hv, bias=False)
         c, w = 2 * kd + vd, cfg.linear_conv_kernel_dim
+        self.conv = w
         self.conv1d = nn.Conv1d(c, c, w, groups=c, bias=False)  # weight [C, 1, W]
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, F.silu)
         self.out_proj = nn.Linear(vd, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, cache: KVCache | None) -> torch.Tensor:
         b, t, _ = x.shape
-        prev = None if cache is None else cache.state[self.layer]
-        window, state = prev or (None, None)  # conv window, recurrent state
+        window, state = recurrent_state(cache, self.layer)
         qkv, window = causal_conv(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight, window)
         q, k, v = qkv.transpose(1, 2).split(
             [self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1
@@ -151,105 +139,53 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(b, t, self.hv, self.dv)
         return self.out_proj(self.norm(out.transpose(1, 2), z).reshape(b, t, -1))
 
-
-class GatedAttention(nn.Module):
-    """GQA with per-head q/k norm, partial rotary and a sigmoid output gate from q_proj."""
-
-    def __init__(self, cfg: Config, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.h, self.g, self.dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        d, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(d, 2 * self.h * self.dh, bias=bias)  # per head: [query | gate]
-        self.k_proj = nn.Linear(d, self.g * self.dh, bias=bias)
-        self.v_proj = nn.Linear(d, self.g * self.dh, bias=bias)
-        self.o_proj = nn.Linear(self.h * self.dh, d, bias=bias)
-        self.q_norm = ZeroCenteredRMSNorm(self.dh, cfg.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(self.dh, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope, cache: KVCache | None) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, gate = self.q_proj(x).view(b, t, self.h, 2 * self.dh).chunk(2, dim=-1)
-        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, Dh]
-        k = self.k_norm(self.k_proj(x).view(b, t, self.g, self.dh)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.g, self.dh).transpose(1, 2)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
-        out = attend(q, k, v, self.dh**-0.5)  # [B, T, H*Dh]
-        return self.o_proj(out * torch.sigmoid(gate.reshape(b, t, -1)))
+    def cache_spec(self) -> StateSpec:
+        conv = (2 * self.hk * self.dk + self.hv * self.dv, self.conv - 1)
+        return StateSpec((conv, (self.hv, self.dk, self.dv)), (False, True))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Config, layer: int, experts: nn.Module):
-        super().__init__()
-        self.linear = cfg.layer_types[layer] == "linear_attention"
-        if self.linear:
-            self.linear_attn = GatedDeltaNet(cfg, layer)
-        else:
-            self.self_attn = GatedAttention(cfg, layer)
-        self.mlp = qwen2_moe.SparseMoeBlock(cfg, layer, experts)
-        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope, fwd: Forward) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        if self.linear:
-            x = x + self.linear_attn(h, fwd.cache)
-        else:
-            x = x + self.self_attn(h, rope, fwd.cache)
-        return x + self.mlp(self.post_attention_layernorm(x), fwd)
+def attention(cfg: Config, layer: int) -> Attention:
+    """GQA with per-head zero-centred q/k norm, partial rotary and a sigmoid output gate."""
+    return Attention(
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        qk_norm="head",
+        qkv_bias=cfg.attention_bias,
+        o_bias=cfg.attention_bias,
+        eps=cfg.rms_norm_eps,
+        layer=layer,
+        output_gate=True,
+        norm=ZeroCenteredRMSNorm,
+    )
 
 
-class Backbone(nn.Module):
-    def __init__(self, cfg: Config, experts: Callable[[int], nn.Module]):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, i, experts(i)) for i in range(cfg.num_hidden_layers)]
-        )
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class Model(qwen3_moe.Model):
+class Model(CausalLM):
     """Causal LM over the text model; `experts(layer)` builds each layer's routed experts."""
 
-    def __init__(self, cfg: Config, experts: Callable[[int], nn.Module]):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = self.wrap(Backbone(cfg, experts))
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    nest = "language_model"  # -> model.language_model.*
 
-    @staticmethod
-    def wrap(backbone: Backbone) -> nn.Module:
-        return nn.ModuleDict({"language_model": backbone})  # -> model.language_model.*
+    def decoder_layer(self, cfg: Config, i: int, experts: ExpertsFactory) -> DecoderLayer:
+        if cfg.layer_types[i] == "linear_attention":
+            mixer = ("linear_attn", GatedDeltaNet(cfg, i))
+        else:
+            mixer = ("self_attn", attention(cfg, i))
+        norm = partial(ZeroCenteredRMSNorm, cfg.hidden_size, cfg.rms_norm_eps)
+        return DecoderLayer(mixer, ("mlp", qwen2_moe.moe(cfg, i, experts(i))), norm)
 
-    @property
-    def backbone(self) -> Backbone:
-        return self.model["language_model"]
+    def final_norm(self, cfg: Config) -> nn.Module:
+        return ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def cache_bytes(self, tokens: int, dtype: torch.dtype) -> int:
-        cfg = self.config
-        full = cfg.layer_types.count("full_attention")
-        kv = full * tokens * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
-        conv = (
-            2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-            + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        )
-        state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-        per_linear = conv * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize + state * 4
-        return kv + (cfg.num_hidden_layers - full) * per_linear
+    def rotary_dim(self, cfg: Config) -> int:
+        return cfg.rotary_dim
 
 
-def ignore_key(cfg: Config, key: str) -> bool:
+def sanitize(cfg: Config, key: str) -> str | None:
     """The vision tower and the multi-token-prediction layers are not served."""
-    return key.startswith(("model.visual.", "mtp."))
+    return None if key.startswith(("model.visual.", "mtp.")) else key
 
 
-EXPERT_PREFIX = "model.language_model.layers.{layer}.mlp.experts"
-EXPERT_PROJ = qwen3_moe.EXPERT_PROJ
 LORA_TARGETS = qwen2_moe.LORA_TARGETS + tuple(
     f"linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 )

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
-
 from edge0.models import qwen3_5_moe
 
 
@@ -19,16 +17,8 @@ class Config(qwen3_5_moe.Config):
 
 
 class Model(qwen3_5_moe.Model):
-    @staticmethod
-    def wrap(backbone: qwen3_5_moe.Backbone) -> nn.Module:
-        return backbone  # -> model.*
-
-    @property
-    def backbone(self) -> qwen3_5_moe.Backbone:
-        return self.model
+    nest = None  # -> model.*
 
 
-ignore_key = qwen3_5_moe.ignore_key
-EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
-EXPERT_PROJ = qwen3_5_moe.EXPERT_PROJ
+sanitize = qwen3_5_moe.sanitize
 LORA_TARGETS = qwen3_5_moe.LORA_TARGETS

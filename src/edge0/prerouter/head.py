@@ -139,7 +139,7 @@ class Prerouter(nn.Module):
         """
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no prerouter file (run without it: --no-prerouter)")
+            raise FileNotFoundError(f"{path}: no prerouter file (serve without one: no_prerouter)")
         try:
             tensors = load_file(str(path))
             from safetensors import safe_open

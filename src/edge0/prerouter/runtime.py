@@ -20,8 +20,9 @@ First decode token: the heads run on the last prompt position at the end of pref
 one batch, since prefill keeps the pool busy with whole-layer reads), so every generated
 token, the first included, is prediction-routed, as in training.
 
-The same object drives batched student generation in training (`rows` sequences decoding in
-lockstep, no pool): features and predictions are then kept per row.
+The runtime (heads, their thread, counters) is shared by every request; each request keeps its
+own PrerouterState. A state of `rows` sequences decoding in lockstep, with no pool, drives
+batched student generation in training: features and predictions are then kept per row.
 Shape legend: H heads, R rows, D hidden, E experts, K active experts.
 """
 
@@ -50,63 +51,76 @@ class PrerouterStats:
     def snapshot(self) -> PrerouterStats:
         return PrerouterStats(**vars(self))
 
+    def minus(self, other: PrerouterStats) -> PrerouterStats:
+        return PrerouterStats(**{k: v - getattr(other, k) for k, v in vars(self).items()})
+
 
 class PrerouterRuntime:
-    """Owns the prediction state of the current request; see the module docstring."""
+    """What every request shares: the stacked heads, their thread, the wiring, the counters.
+    A request's own prediction state is a PrerouterState (`new_state`)."""
 
     def __init__(self, prerouter: Prerouter, model, pool: ExpertPool | None):
         self.wiring = prerouter.wiring
         self.owners = self.wiring.owners
         self.consumers = self.wiring.consumers
-        self._row = {o: i for i, o in enumerate(self.owners)}
+        self.row = {o: i for i, o in enumerate(self.owners)}
         self.heads = StackedHeads(prerouter, self.owners)
         self.blocks = {c: model.moe_block(c) for c in self.consumers}
         self.num_experts = prerouter.num_experts
         self.pool = pool
         self.stats = PrerouterStats()
-        self.predicted: dict[int, torch.Tensor] = {}
-        self.staged: dict[int, list[Entry]] = {}
-        # staged during the current decode step, for the next one
-        self._next_predicted: dict[int, torch.Tensor] = {}
-        self._next_staged: dict[int, list[Entry]] = {}
-        self._consumers_of: dict[int, list[int]] = {}
+        self.consumers_of: dict[int, list[int]] = {}
         for c in self.consumers:
-            self._consumers_of.setdefault(self.wiring.owner_of[c], []).append(c)
+            self.consumers_of.setdefault(self.wiring.owner_of[c], []).append(c)
         # Heads run on their own thread at decode, next to the layers that follow their owner
         # (torch ops release the GIL); one intra-op thread, so they never take both cores.
-        self._worker = ThreadPoolExecutor(
+        self.worker = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="edge0-heads",
             initializer=torch.set_num_threads,
             initargs=(1,),
         )
+
+    def new_state(self, rows: int = 1) -> PrerouterState:
+        return PrerouterState(self, rows)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+class PrerouterState:
+    """One request's prediction state (`rows` sequences decoding in lockstep): owner features,
+    current and next predictions, and the pins of the experts staged for them."""
+
+    def __init__(self, runtime: PrerouterRuntime, rows: int = 1):
+        self.rt = runtime
+        self.rows = rows
+        self.predicted: dict[int, torch.Tensor] = {}
+        self.staged: dict[int, list[Entry]] = {}
+        # staged during the current decode step, for the next one
+        self._next_predicted: dict[int, torch.Tensor] = {}
+        self._next_staged: dict[int, list[Entry]] = {}
         self._pending: list[Future] = []
         self._h: dict[int, torch.Tensor] = {}
         self._executed: dict[int, torch.Tensor] = {}
         self._previous: dict[int, torch.Tensor] = {}
-        self.rows = 1
 
-    def reset(self, rows: int = 1) -> None:
-        """Forget the request: features, predictions, and the pins of staged experts."""
-        self.rows = rows
+    def release(self) -> None:
+        """End of the request: wait for its heads' work and unpin everything it staged."""
         self._join()
         for staged in (self.staged, self._next_staged):
             for entries in staged.values():
-                self.pool.release(entries)
+                self.rt.pool.release(entries)
             staged.clear()
-        self.predicted.clear()
-        self._next_predicted.clear()
-        self._h.clear()
-        self._executed.clear()
-        self._previous.clear()
 
     def observe(
         self, layer: int, h: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor
     ) -> None:
         """Forward observer: keep owner features of each row's last position."""
-        if layer not in self._row:
+        rt = self.rt
+        if layer not in rt.row:
             return
-        e, rows = self.num_experts, self.rows
+        e, rows = rt.num_experts, self.rows
         idx = indices.view(rows, -1, indices.shape[-1])  # [R, T, K]
         if idx.shape[1] > 1:
             self._previous[layer] = topk_onehot(idx[:, -2], e)
@@ -117,13 +131,13 @@ class PrerouterRuntime:
 
         self._executed[layer] = topk_onehot(idx[:, -1], e)
         self._h[layer] = h.view(rows, -1, h.shape[-1])[:, -1].detach()
-        if self.pool is not None and rows == 1 and idx.shape[1] == 1:
+        if rt.pool is not None and rows == 1 and idx.shape[1] == 1:
             # The owner's `routed` experts are about to run: staged and pinned already if it is
             # a consumer; otherwise it reads them now and needs room. Staging every consumer
             # one token ahead thus pins about (layers + 1) * K slots at most.
             x = features(self._h[layer], self._executed[layer], self._previous[layer])
             if layer in self.staged:
-                self._pending.append(self._worker.submit(self._stage_ahead, layer, x))
+                self._pending.append(rt.worker.submit(self._stage_ahead, layer, x))
             else:  # keep room for its reads: decided now, before this thread requests them
                 self._stage_ahead(layer, x, reserve=idx.shape[-1])
 
@@ -131,13 +145,14 @@ class PrerouterRuntime:
     def _stage_ahead(self, owner: int, x: torch.Tensor, reserve: int = 0) -> None:
         """Decode: this owner's head on its features x [1, D+2E], and its consumers' reads for
         the next token. Runs on the heads thread for owners that are consumers themselves."""
+        rt = self.rt
         t0 = time.perf_counter_ns()
-        logits = self.heads.one(self._row[owner], x)  # [1, E]
+        logits = rt.heads.one(rt.row[owner], x)  # [1, E]
         chosen = {}
-        for c in self._consumers_of.get(owner, []):
+        for c in rt.consumers_of.get(owner, []):
             self._next_predicted[c] = logits
-            chosen[c] = sorted(self.blocks[c].select(logits)[1][0].tolist())
-        self.stats.head_ns += time.perf_counter_ns() - t0
+            chosen[c] = sorted(rt.blocks[c].select(logits)[1][0].tolist())
+        rt.stats.head_ns += time.perf_counter_ns() - t0
         for c, experts in chosen.items():
             self._stage(c, experts, self._next_staged, reserve)
 
@@ -147,10 +162,6 @@ class PrerouterRuntime:
         for fut in pending:
             fut.result()
 
-    def close(self) -> None:
-        self._join()
-        self._worker.shutdown()
-
     def take(self, consumer: int) -> list[Entry]:
         return self.staged.pop(consumer, [])
 
@@ -158,11 +169,12 @@ class PrerouterRuntime:
         self, consumer: int, experts: list[int], into: dict[int, list[Entry]], reserve: int = 0
     ) -> None:
         """Pin and start reading `experts` for `consumer`, if `reserve` slots stay free."""
-        if self.pool.available() < len(experts) + reserve:
-            self.stats.unstaged += 1
+        rt = self.rt
+        if rt.pool.available() < len(experts) + reserve:
+            rt.stats.unstaged += 1
             return
-        into[consumer] = self.pool.request(consumer, experts)
-        self.stats.staged += len(experts)
+        into[consumer] = rt.pool.request(consumer, experts)
+        rt.stats.staged += len(experts)
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -171,30 +183,30 @@ class PrerouterRuntime:
         At decode they were made (and their reads started) layer by layer during the forward;
         after prefill, or in training, every head runs here in one batch.
         """
+        rt = self.rt
         self._join()
-        if len(self._next_predicted) == len(self.consumers):
+        if len(self._next_predicted) == len(rt.consumers):
             for entries in self.staged.values():  # consumers that did not run (none normally)
-                self.pool.release(entries)
+                rt.pool.release(entries)
             self.predicted, self._next_predicted = self._next_predicted, {}
             self.staged, self._next_staged = self._next_staged, {}
-            self.stats.flushes += 1
+            rt.stats.flushes += 1
             return
         t0 = time.perf_counter_ns()
         x = torch.stack(
-            [features(self._h[o], self._executed[o], self._previous[o]) for o in self.owners]
+            [features(self._h[o], self._executed[o], self._previous[o]) for o in rt.owners]
         )  # [H, R, D + 2E]
-        logits = self.heads(x)  # [H, R, E]
-        for c in self.consumers:
-            self.predicted[c] = logits[self._row[self.wiring.owner_of[c]]]  # [R, E]
-        if self.pool is None:  # training: predictions only, no staging
-            self.stats.head_ns += time.perf_counter_ns() - t0
-            self.stats.flushes += 1
+        logits = rt.heads(x)  # [H, R, E]
+        for c in rt.consumers:
+            self.predicted[c] = logits[rt.row[rt.wiring.owner_of[c]]]  # [R, E]
+        if rt.pool is None:  # training: predictions only, no staging
+            rt.stats.head_ns += time.perf_counter_ns() - t0
+            rt.stats.flushes += 1
             return
         chosen = {
-            c: sorted(self.blocks[c].select(self.predicted[c])[1][0].tolist())
-            for c in self.consumers
+            c: sorted(rt.blocks[c].select(self.predicted[c])[1][0].tolist()) for c in rt.consumers
         }
-        self.stats.head_ns += time.perf_counter_ns() - t0
-        self.stats.flushes += 1
-        for c in self.consumers:  # in layer order: the earliest consumers need bytes first
+        rt.stats.head_ns += time.perf_counter_ns() - t0
+        rt.stats.flushes += 1
+        for c in rt.consumers:  # in layer order: the earliest consumers need bytes first
             self._stage(c, chosen[c], self.staged)

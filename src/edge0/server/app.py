@@ -39,9 +39,8 @@ class ServerOptions:
 
 
 def context_window(engine) -> int:
-    """Tokens a prompt plus its completion may take: the KV budget, within the model's limit."""
-    limit = getattr(engine.config, "max_position_embeddings", None)
-    return min(engine.options.max_context, limit) if limit else engine.options.max_context
+    """Tokens a prompt plus its completion may take (the serving plan's context)."""
+    return engine.max_context
 
 
 def create_app(engine, options: ServerOptions | None = None) -> FastAPI:

@@ -72,12 +72,6 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="largest request body accepted (default 1M)",
     )
     s.add_argument(
-        "--max-context",
-        type=int,
-        default=4096,
-        help="tokens of prompt plus completion per request; sizes the KV cache (default 4096)",
-    )
-    s.add_argument(
         "--default-max-tokens",
         type=int,
         default=None,
@@ -93,11 +87,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from edge0.cli import default_model_dir, engine_options
-    from edge0.engine import Engine
+    from edge0.engine import load_engine
     from edge0.server.app import ServerOptions, create_app
 
-    if args.max_context < 2:
-        raise ValueError(f"--max-context must be at least 2, got {args.max_context}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     api_key = args.api_key
@@ -108,8 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key = lines[0]
     check_bind(args.host, api_key)
     opts = engine_options(args)
-    opts.max_context = args.max_context
-    engine = Engine(args.model_dir or default_model_dir(), opts)
+    engine = load_engine(args.model_dir or default_model_dir(), opts)
     try:
         app = create_app(
             engine,

@@ -1,8 +1,8 @@
 """Prometheus metrics for GET /metrics, in a registry owned by one app (no global state).
 
-Expert-pool counters (reads, bytes, hits, time blocked on reads) are read from the pool when
-scraped, so they also count work done by prefill; per-request figures come from the engine's
-GenerationStats when a request ends.
+Expert-pool and prerouter counters (reads, bytes, hits, time blocked on reads, staged and
+dropped experts) are read from the engine's stats when scraped, so they also count prefill;
+per-request figures come from the engine's GenerationStats when a request ends.
 """
 
 from __future__ import annotations
@@ -15,20 +15,23 @@ from edge0 import memory
 from edge0.engine import GenerationStats
 
 
-class PoolCollector(Collector):
-    """The expert pool's counters since the server started."""
+class EngineCollector(Collector):
+    """The engine's counters since the server started (`stats`: Engine.stats)."""
 
-    def __init__(self, pool):
-        self.pool = pool
+    def __init__(self, stats):
+        self.stats = stats
 
     def collect(self):
-        s = self.pool.stats
+        now = self.stats()
+        s, pre = now.pool, now.prerouter
         rows = [
             ("edge0_expert_cache_hits", "experts found resident in the pool", s.hits),
             ("edge0_expert_loads", "experts read from disk", s.loads),
             ("edge0_expert_reads", "read calls issued (a run of adjacent experts is one)", s.reads),
             ("edge0_expert_read_bytes", "bytes read from the expert file", s.bytes_read),
             ("edge0_expert_evictions", "experts evicted from the pool", s.evictions),
+            ("edge0_experts_staged", "experts the prerouter requested a token ahead", pre.staged),
+            ("edge0_experts_dropped", "routed experts missing from their staged set", pre.dropped),
         ]
         for name, doc, value in rows:
             yield CounterMetricFamily(name, doc, value=value)
@@ -44,7 +47,7 @@ class Metrics:
 
     def __init__(self, engine, queue_depth):
         self.registry = r = CollectorRegistry()
-        r.register(PoolCollector(engine.pool))
+        r.register(EngineCollector(engine.stats))
         self.requests = Counter(
             "edge0_requests",
             "requests by endpoint and outcome: the finish reason (stop, length), or cancelled, "
@@ -85,7 +88,7 @@ class Metrics:
         file = Gauge("edge0_file_bytes", "file-backed resident memory now", registry=r)
         file.set_function(lambda: memory.sample().file_bytes)
         pool = Gauge("edge0_expert_pool_bytes", "capacity of the expert pool", registry=r)
-        pool.set(engine.pool.capacity_bytes)
+        pool.set(engine.plan.pool_bytes)
         self._peaks = (0, 0)
 
     def finished(

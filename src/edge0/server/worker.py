@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from edge0.engine import GenerationStats
 from edge0.sampling import SamplingParams
 from edge0.server.logprobs import TokenLogprob, token_logprob
@@ -157,15 +155,15 @@ class Worker:
     def _run(self, job: Job) -> None:
         decoder = IncrementalDecoder(self.engine.tokenizer)
         stops = StopMatcher(job.stop)
-
-        def on_token(token: int, logits: torch.Tensor) -> bool:
+        gen = self.engine.generate(job.prompt, job.max_tokens, job.sampling)
+        for token, logprobs in gen:
             lp = None
             if job.top_logprobs is not None:
-                lp = token_logprob(logits, token, job.top_logprobs)
+                lp = token_logprob(logprobs, token, job.top_logprobs)
             job.sink(Token(token, stops.push(decoder.push(token)), lp))
-            return stops.stopped or job.cancel.is_set()
-
-        gen = self.engine.generate(job.prompt, job.max_tokens, job.sampling, on_token)
+            if stops.stopped or job.cancel.is_set():
+                gen.close()
+                break
         tail = stops.push(decoder.flush())
         if not stops.stopped:
             tail += stops.flush()

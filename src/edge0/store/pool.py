@@ -78,7 +78,6 @@ class ExpertPool:
         layout: ExtentLayout,
         capacity_bytes: int,
         io_threads: int = 4,
-        read_delay_s: float = 0.0,
     ):
         if layout.nbytes != file.extent_bytes:
             raise ValueError(
@@ -106,7 +105,6 @@ class ExpertPool:
         self._pinned = 0  # entries with pins > 0, so available() is O(1)
         self._lock = threading.Lock()
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="edge0-io")
-        self.read_delay_s = read_delay_s  # a fixed extra latency per read, for tests
         self.stats = PoolStats()
 
     # -- occupancy ------------------------------------------------------------------------
@@ -158,7 +156,7 @@ class ExpertPool:
                     raise PoolExhausted(
                         f"layer {layer} needs {short - len(inflight)} more expert slots; the "
                         f"pool has {self.num_slots} ({self.capacity_bytes} bytes) and the rest "
-                        "are pinned. Raise --memory-budget / --expert-cache."
+                        "are pinned. Raise memory_budget or expert_cache."
                     )
                 # only unpinned reads still in flight can make room: wait for them, unlocked
                 inflight = inflight[:short]
@@ -211,8 +209,6 @@ class ExpertPool:
 
     def _load_run(self, layer: int, run: list[Entry]) -> None:
         try:
-            if self.read_delay_s:
-                time.sleep(self.read_delay_s)
             t0 = time.perf_counter_ns()
             got = self.file.read_run(layer, run[0].key[1], [self._views[en.slot] for en in run])
             dt = time.perf_counter_ns() - t0

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from edge0 import quant
+from edge0.models.experts import for_each_expert, swiglu_dense
 from edge0.store.extents import ExpertTensors, ExtentLayout
 from edge0.store.pool import Entry, ExpertPool
-from edge0.streaming.experts import for_each_expert, swiglu_dense
 
 # Below this many tokens per expert the int4 kernel beats dequantize + fp32 matmul on the
 # CPUs we measured (docs/kernels.md); above it the dense matmul amortises the dequantization.
@@ -64,16 +64,17 @@ class StagedExecutor:
     pool had no room to stage this layer, its experts are read now, like the exact path.
     """
 
-    def __init__(self, pool: ExpertPool, layer: int, runtime):
-        self.pool, self.layer, self.runtime = pool, layer, runtime
+    def __init__(self, pool: ExpertPool, layer: int, state):
+        self.pool, self.layer, self.state = pool, layer, state  # the request's PrerouterState
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        staged = {en.key[1]: en for en in self.runtime.take(self.layer)}
+        staged = {en.key[1]: en for en in self.state.take(self.layer)}
         experts = torch.unique(indices).tolist()
         late = [e for e in experts if e not in staged]
+        stats = self.state.rt.stats
         if staged:
-            self.runtime.stats.dropped += len(late)
-        self.runtime.stats.consumed += len(experts)
+            stats.dropped += len(late)
+        stats.consumed += len(experts)
         entries = list(staged.values()) + (self.pool.request(self.layer, late) if late else [])
         try:
             by_expert = {en.key[1]: en for en in entries}

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0 import loader, lora, modeldir
-from edge0.models.base import Forward
+from edge0 import decode, loader, lora, modeldir
 from edge0.prerouter.head import Prerouter
 from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
@@ -127,31 +126,21 @@ def sample(
     prediction-routed, as the engine serves it; without one every layer uses its gate.
     """
     b = prompts.shape[0]
-    cache = model.new_cache() if hasattr(model, "new_cache") else None
-    if cache is None:
-        from edge0.models.layers import KVCache
-
-        cache = KVCache(model.config.num_hidden_layers)
+    dtype = next(model.parameters()).dtype
+    cache = model.new_cache(prompts.shape[1] + steps, dtype, batch=b, device=prompts.device)
     sampler = Sampler(params)
     sampler.generator = gen
-    if runtime is not None:
-        runtime.reset(rows=b)
-    fwd = Forward(cache, observer=runtime.observe if runtime else None)
-    logits = model(prompts, fwd, last_only=True)[:, -1]
+    pre = runtime.new_state(rows=b) if runtime is not None else None
+    logits = decode.prefill(model, cache, prompts, pre)
     out = [prompts]
     for i in range(steps):
-        if runtime is not None:
-            runtime.flush()
         nxt = torch.stack([torch.tensor(sampler(row)) for row in logits])[:, None].to(
             prompts.device
         )
         out.append(nxt)
         if i + 1 == steps:
             break
-        fwd = (
-            Forward(cache, dict(runtime.predicted), runtime.observe) if runtime else Forward(cache)
-        )
-        logits = model(nxt, fwd, last_only=True)[:, -1]
+        logits = decode.step(model, cache, nxt, pre)
     return torch.cat(out, dim=1)
 
 

@@ -22,8 +22,8 @@ from tqdm import tqdm
 from edge0 import loader
 from edge0.models import qwen3_moe
 from edge0.models.base import Forward
+from edge0.models.experts import ResidentExperts
 from edge0.store.writer import StreamingSafetensors
-from edge0.streaming.experts import ResidentExperts
 from edge0.tokenizer import load_tokenizer
 from edge0.tokenizer_train import train_bpe
 from edge0.train import common

@@ -1,21 +1,29 @@
-"""The experts module every MoE block calls: `experts(x, indices) -> [T, K, D]`.
+"""Routed experts as the model sees them: `experts(x, indices) -> [T, K, D]`.
 
-The model routes; this module only computes each selected expert for its tokens, and does
-not weight or sum them. Two implementations share the contract:
+The model routes; an experts module only computes each selected expert for its tokens, and
+does not weight or sum them. Two modules share the contract:
 
-  ResidentExperts   float weights in memory (the teacher, parity tests, training)
-  StreamingExperts  int4 extents from the expert pool, through an executor the engine picks
+  ResidentExperts  every expert's float weights in memory (the teacher, training, parity)
+  ExpertSlot       no weights: the engine passes, per call, an executor that computes the
+                   layer's experts from the int4 pool (`Forward.executors`)
 
 Shape legend: T tokens, K active experts per token, D hidden, I expert width, E experts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class Executor(Protocol):
+    """Computes a layer's routed experts: x [T, D], indices [T, K] -> [T, K, D]."""
+
+    def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor: ...
 
 
 def swiglu_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -24,7 +32,9 @@ def swiglu_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.
     return F.linear(F.silu(gate) * up, w2)
 
 
-def for_each_expert(x: torch.Tensor, indices: torch.Tensor, compute) -> torch.Tensor:
+def for_each_expert(
+    x: torch.Tensor, indices: torch.Tensor, compute: Callable[[int, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """Run compute(expert, rows of x) for every expert present in indices [T, K]; -> [T, K, D]."""
     t, k = indices.shape
     if t == 1:  # decode: top-k indices of one token are distinct
@@ -60,21 +70,15 @@ class ResidentExperts(nn.Module):
         )
 
 
-class Executor(Protocol):
-    """One way of producing expert outputs from the pool (exact, whole-layer, staged)."""
-
-    def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor: ...
-
-
-class StreamingExperts(nn.Module):
-    """Experts whose weights live on disk; `executor` is set explicitly by the engine per phase."""
+class ExpertSlot(nn.Module):
+    """Where a streamed layer's experts go: computed by the executor of the call's Forward."""
 
     def __init__(self, layer: int):
         super().__init__()
         self.layer = layer
-        self.executor: Executor | None = None
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if self.executor is None:
-            raise RuntimeError(f"layer {self.layer}: no expert executor installed")
-        return self.executor(x, indices)
+        raise RuntimeError(
+            f"layer {self.layer}: its experts stream from disk and this call's Forward has no "
+            "executor for it"
+        )

@@ -1,0 +1,31 @@
+"""How a model is served: the options every front end (CLI, server, bench, eval) passes on.
+
+Library code names these fields in its errors; the CLI maps them to its flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_IO_MODE = "direct"
+
+
+@dataclass
+class EngineOptions:
+    top_k: int | None = None  # serve this many experts per token (default: native)
+    memory_budget: int | None = None  # bytes for resident floor + expert pool
+    expert_cache: int | None = None  # bytes for the expert pool (overrides the budget split)
+    io_mode: str = DEFAULT_IO_MODE
+    io_threads: int = 4
+    relayout: str = "cache"  # codes in another arrangement than the host's: "cache" or "on-read"
+    cache_dir: Path | None = None  # where "cache" keeps repacked copies (default ~/.cache/edge0)
+    dtype: torch.dtype = torch.float32
+    max_context: int = 4096  # sizes the KV part of the resident floor
+    prerouter: Path | None = None  # heads file (default: MODEL_DIR/prerouter.safetensors if any)
+    no_prerouter: bool = False  # gate-route every layer: the exact path, no heads, no slots
+    lora: Path | None = None  # adapter file (default: MODEL_DIR/lora.safetensors if any)
+    no_lora: bool = False  # serve the base projections only
+    lora_any_base: bool = False  # load an adapter whose base_hash differs from this model's

@@ -1,0 +1,200 @@
+"""The serving plan: one function turns (model sizes, options) into what the engine allocates.
+
+Every budget rule lives here: the experts per token served (K), the resident floor broken down
+by part, the per-request state allocated for the context, the staging room the prerouter
+needs, and the expert pool in whole extents. The engine, `inspect`, `bench`, `eval` and the
+training phases all take their numbers from a plan, so a prediction and an allocation cannot
+disagree (tests pin `inspect`'s plan to the engine's measured allocation).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from edge0 import memory, modeldir
+from edge0.checkpoint import read_header
+from edge0.options import EngineOptions
+
+# What a process needs beyond the floor and the pool (torch, the tokenizer, Python, the
+# allocator's retained heap): 0.36 GiB after load and 0.11 GiB more while decoding, measured on
+# the 32-layer 2048-wide synthetic model. A memory cap is turned into a budget by this much.
+RUNTIME_RESERVE = 600 << 20
+HEADS_DTYPE = torch.float32  # stacked prerouter heads on the CPU (prerouter/head.py)
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What planning needs to know of a model, from file headers alone."""
+
+    resident_params: int
+    moe_layers: int
+    experts_per_layer: int
+    extent_bytes: int
+    native_top_k: int
+    served_top_k: int | None  # the default K edge0.json records (None: native)
+    state_bytes: Callable[[int, torch.dtype], int]  # per-request state at a context length
+    adapter_params: int = 0  # the served LoRA
+    head_params: int = 0  # the prerouter heads
+    prediction_routed_layers: int = 0  # consumers of those heads
+    position_limit: int | None = None  # the model's max_position_embeddings, if it has one
+
+
+@dataclass(frozen=True)
+class Floor:
+    """Resident bytes besides the expert pool, by part."""
+
+    weights: int  # resident parameters at the compute dtype
+    adapter: int  # the recovery LoRA at the compute dtype
+    heads: int  # the prerouter heads as stacked for serving
+    state: int  # one request's KV cache and recurrent state at max_context
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.adapter + self.heads + self.state
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    top_k: int
+    max_context: int
+    dtype: str
+    floor: Floor
+    extent_bytes: int
+    pool_slots: int
+    staging_slots: int  # slots prediction-routed decode keeps pinned (0: no prerouter)
+    experts_bytes: int  # every routed expert, on disk
+    memory_budget: int | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool_slots * self.extent_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """What the engine allocates: the floor plus the pool."""
+        return self.floor.total + self.pool_bytes
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["floor"]["total"] = self.floor.total
+        out["pool_bytes"] = self.pool_bytes
+        out["total_bytes"] = self.total_bytes
+        return out
+
+
+def resolve_top_k(requested: int | None, served: int | None, native: int) -> int:
+    """The one rule for K: asked for, else the model's recorded served K, else native."""
+    return requested or served or native
+
+
+def make_plan(
+    sizes: ModelSizes, options: EngineOptions, mem_available: int | None = None
+) -> ServingPlan:
+    """The plan for serving a model of `sizes` with `options`. Raises ValueError naming the
+    option and the missing bytes when the budget cannot hold the floor and what decode pins."""
+    k = resolve_top_k(options.top_k, sizes.served_top_k, sizes.native_top_k)
+    if not 1 <= k <= sizes.experts_per_layer:
+        raise ValueError(f"top_k {k} must be between 1 and {sizes.experts_per_layer}")
+    if options.max_context < 2:
+        raise ValueError(f"max_context must be at least 2, got {options.max_context}")
+    # prompt plus completion, within what the model's positions were trained for
+    context = min(options.max_context, sizes.position_limit or options.max_context)
+    item = options.dtype.itemsize
+    floor = Floor(
+        weights=sizes.resident_params * item,
+        adapter=sizes.adapter_params * item,
+        heads=sizes.head_params * HEADS_DTYPE.itemsize,
+        state=sizes.state_bytes(context, options.dtype),
+    )
+    extent = sizes.extent_bytes
+    all_slots = sizes.moe_layers * sizes.experts_per_layer
+    # a prediction-routed step pins every consumer's staged set plus the layer being read
+    staging = (sizes.prediction_routed_layers + 1) * k if sizes.prediction_routed_layers else 0
+    need = max(k, staging)  # slots decode must be able to pin at once
+    notes = []
+    if options.expert_cache is not None:
+        slots, source = options.expert_cache // extent, "expert_cache"
+    elif options.memory_budget is not None:
+        slots, source = max(0, options.memory_budget - floor.total) // extent, "memory_budget"
+    else:  # everything if it fits in a quarter of what the machine has free
+        free = memory.mem_available() if mem_available is None else mem_available
+        slots, source = max(need, free // 4 // extent), None
+        notes.append("no budget: every expert if it fits in a quarter of the free memory")
+    if slots < need:
+        what = "prediction-routed decode stages" if staging > k else "decode pins"
+        pins = f"{need} experts of {extent} bytes that {what} ({need // k} layers x {k})"
+        if source == "memory_budget":
+            missing = memory.format_bytes(floor.total + need * extent - options.memory_budget)
+            raise ValueError(
+                f"memory_budget {memory.format_bytes(options.memory_budget)} is below the "
+                f"resident floor {memory.format_bytes(floor.total)} plus the {pins}: "
+                f"{missing} more needed"
+            )
+        missing = memory.format_bytes((need - slots) * extent)
+        raise ValueError(
+            f"expert_cache {memory.format_bytes(options.expert_cache)} holds {slots} of the "
+            f"{pins}: {missing} more needed"
+        )
+    return ServingPlan(
+        top_k=k,
+        max_context=context,
+        dtype=str(options.dtype).removeprefix("torch."),
+        floor=floor,
+        extent_bytes=extent,
+        pool_slots=min(slots, all_slots),
+        staging_slots=staging,
+        experts_bytes=all_slots * extent,
+        memory_budget=options.memory_budget,
+        notes=notes,
+    )
+
+
+def _params(path: Path) -> int:
+    table, _ = read_header(path)
+    return sum(_numel(t.shape) for t in table.values())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def prediction_routed_layers(path: Path, moe_layers: list[int]) -> int:
+    """Consumers of a prerouter file's heads, from its header: its recorded wiring, else each
+    owner predicting the next MoE layer (prerouter/head.py reads files the same way)."""
+    table, meta = read_header(path)
+    if "consumers" in meta:
+        return len(json.loads(meta["consumers"]))
+    owners = {int(k.split(".")[1]) for k in table}
+    return sum(1 for a in moe_layers[:-1] if a in owners)
+
+
+def model_dir_sizes(path: Path, manifest: modeldir.Manifest, model, options: EngineOptions):
+    """ModelSizes of an edge0 directory as `options` would serve it (which adapters load);
+    `model` is the family's model (a meta-device one will do) for the state's size."""
+    heads = options.prerouter or path / modeldir.PREROUTER_FILE
+    serve_heads = not options.no_prerouter and (options.prerouter is not None or heads.exists())
+    adapter = options.lora or path / modeldir.LORA_FILE
+    serve_lora = not options.no_lora and (options.lora is not None or adapter.exists())
+    layers = model.moe_layers
+    return ModelSizes(
+        resident_params=_params(path / modeldir.RESIDENT_FILE),
+        moe_layers=len(layers),
+        experts_per_layer=manifest.experts["num_experts"],
+        extent_bytes=manifest.layout().nbytes,
+        native_top_k=manifest.native_top_k,
+        served_top_k=manifest.served_top_k,
+        state_bytes=lambda n, dtype: model.new_cache(n, dtype, device="meta").nbytes(),
+        adapter_params=_params(adapter) if serve_lora else 0,
+        head_params=_params(heads) if serve_heads else 0,
+        prediction_routed_layers=prediction_routed_layers(heads, layers) if serve_heads else 0,
+        position_limit=getattr(model.config, "max_position_embeddings", None),
+    )
