@@ -17,9 +17,10 @@ import torch
 import transformers
 
 from edge0 import builtin, memory
+from edge0.cli import add_inspect_parser
 from edge0.convert import convert
 from edge0.engine import EngineOptions, load_engine
-from edge0.inspect import add_inspect_parser, format_report, inspect_dir, kind_of
+from edge0.inspect import format_report, inspect_dir, kind_of
 from edge0.store.extents import ExtentLayout
 from helpers import make_hf_model
 from mlx_helpers import hf_to_mlx

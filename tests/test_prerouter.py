@@ -14,9 +14,11 @@ from edge0.engine import EngineOptions, load_engine
 from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
 from edge0.prerouter.head import Prerouter, StackedHeads, Wiring, features
+from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
 from edge0.routing import topk_onehot
 from edge0.sampling import SamplingParams
 from edge0.train.heads import HeadsConfig, train_heads
+from edge0.train.student import load_student
 from helpers import TEXT, DelayedReads, make_hf_model
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
@@ -147,6 +149,49 @@ def test_staged_decode_equals_the_same_routing_computed_exactly(dirs):
         assert engine.prerouter.stats.dropped == 0
     finally:
         engine.close()
+
+
+def test_teacher_forced_training_routes_as_the_engine_decodes(dirs):
+    """The student path of training (TeacherForcedRouting over a whole sequence) and the
+    engine's decode (one token at a time, staged experts) make the same routing decisions on
+    the same tokens, on every MoE layer at every generated position."""
+    engine = load_engine(dirs["pre"])
+    student = load_student(dirs["pre"], top_k=engine.top_k)
+    ids = prompt(engine)
+    decoded: dict[int, list[list[int]]] = {i: [] for i in engine.moe_layers}
+
+    def record(layer, h, logits, indices):
+        decoded[layer].append(sorted(indices[-1].tolist()))
+
+    try:
+        with engine.new_request() as req:
+            observe = req.pre.observe
+
+            def both(*args):
+                record(*args)
+                observe(*args)
+
+            req.pre.observe = both
+            tokens = list(ids)
+            logits = engine.prefill(req, ids)
+            for _ in range(12):
+                tokens.append(int(logits.argmax()))
+                logits = engine.step(req, tokens[-1])
+    finally:
+        engine.close()
+    forced: dict[int, torch.Tensor] = {}
+
+    def keep(layer, h, logits, indices):
+        forced[layer] = indices
+
+    seq = torch.tensor([tokens])  # every sampled token was fed back
+    mask = prediction_mask(1, seq.shape[1], len(ids))  # the prompt routes by its gates
+    with torch.no_grad():
+        student.model(seq, TeacherForcedRouting(student.prerouter, mask, observer=keep))
+    for layer, steps in decoded.items():
+        # the prefill's last position, then one position per decode step
+        want = [sorted(row.tolist()) for row in forced[layer][len(ids) - 1 :]]
+        assert steps == want, f"layer {layer}"
 
 
 def test_zero_drops_over_a_long_generation(dirs):

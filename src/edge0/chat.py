@@ -156,7 +156,7 @@ def _ctrl_c_stops(session: ChatSession):
 
 
 def add_chat_parser(sub) -> argparse.ArgumentParser:
-    from edge0.cli import add_engine_args, add_sampling_args
+    from edge0.cli_args import add_engine_args, add_sampling_args
 
     c = sub.add_parser(
         "chat",
@@ -188,7 +188,7 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None):
-    from edge0.cli import default_model_dir, engine_options, sampling_params
+    from edge0.cli_args import default_model_dir, engine_options, sampling_params
     from edge0.engine import load_engine
 
     stdin = stdin if stdin is not None else sys.stdin  # None when started without one

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import torch
 
-from edge0 import models
-
 INDEX_NAME = "model.safetensors.index.json"
 # Released checkpoints ship trained adapters beside the weight shards; they are not weights.
 ADAPTER_PREFIXES = ("prerouter", "lora")
@@ -46,16 +44,6 @@ def check_dir(path: Path | str, what: str = "model directory") -> Path:
     if not path.is_dir():
         raise NotADirectoryError(f"{what} {path} is not a directory")
     return path
-
-
-def load_config(path: Path):
-    """(family module, config) from a directory's config.json."""
-    raw = read_json(path / "config.json", "model configuration")
-    fam = models.family(raw.get("model_type"), str(path / "config.json"))
-    try:
-        return fam, fam.Config.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path / 'config.json'}: {e}") from e
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -9,181 +9,29 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 
 import torch
 
-from edge0 import memory, modeldir, runtime
+from edge0 import memory, runtime
+from edge0.cli_args import (
+    add_engine_args,
+    add_sampling_args,
+    config_from_args,
+    default_model_dir,
+    engine_options,
+    sampling_params,
+    with_flags,
+)
+from edge0.cli_train import add_eval_parser, add_train_parsers
 from edge0.int4_layout import LAYOUTS
+from edge0.options import DEFAULT_IO_MODE
 from edge0.store.expert_file import IO_MODES
-from edge0.store.relayout import POLICIES
 
 log = logging.getLogger("edge0")
 
 USER_ERRORS = (FileNotFoundError, NotADirectoryError, FileExistsError, ValueError, KeyError)
-
-# Library errors name option fields; the CLI says which flag sets each.
-FLAGS = {
-    "top_k": "--top-k",
-    "memory_budget": "--memory-budget",
-    "expert_cache": "--expert-cache",
-    "max_context": "--max-context",
-    "max_tokens": "--max-tokens",
-    "no_prerouter": "--no-prerouter",
-    "no_lora": "--no-lora",
-    "lora_any_base": "--lora-any-base",
-}
-_FIELD = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
-
-
-def with_flags(message: str) -> str:
-    """A library message with the flag of each option field it names, e.g. `top_k (--top-k)`."""
-    return _FIELD.sub(lambda m: f"{m[1]} ({FLAGS[m[1]]})", message)
-
-
-def default_model_dir() -> Path:
-    from edge0 import builtin
-
-    return builtin.model_dir()
-
-
-def default_teacher_dir(model_dir: Path) -> Path:
-    """The built-in teacher for the built-in model, else the convert source if still present."""
-    from edge0 import builtin
-
-    if model_dir.resolve() == builtin.ROOT.joinpath("model").resolve():
-        return builtin.teacher_dir()
-    src = Path(modeldir.Manifest.load(model_dir).source.get("path", ""))
-    if src.is_dir() and (src / "config.json").is_file():
-        return src
-    raise ValueError(f"{model_dir}: no teacher known; pass --teacher HF_DIR")
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--top-k",
-        type=int,
-        default=None,
-        help="routed experts per token (default: the model's native width)",
-    )
-    g.add_argument(
-        "--memory-budget",
-        type=memory.parse_size,
-        default=None,
-        help="total bytes for resident weights, KV cache and expert pool, e.g. 2G",
-    )
-    g.add_argument(
-        "--expert-cache",
-        type=memory.parse_size,
-        default=None,
-        help="bytes for the expert pool (instead of deriving it from --memory-budget)",
-    )
-    g.add_argument(
-        "--io-mode",
-        choices=IO_MODES,
-        default="direct",
-        help="how experts are read from disk (default: direct, i.e. O_DIRECT)",
-    )
-    g.add_argument(
-        "--max-context",
-        type=int,
-        default=4096,
-        help="tokens of prompt plus completion per request; the KV cache is allocated for it "
-        "(default 4096)",
-    )
-    g.add_argument("--io-threads", type=int, default=4, help="reader threads (default 4)")
-    g.add_argument(
-        "--relayout",
-        choices=POLICIES,
-        default="cache",
-        help="experts packed for another CPU's int4 kernel: repack once into a cached copy "
-        "(default) or on every read",
-    )
-    g.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="where repacked copies are kept (default $XDG_CACHE_HOME/edge0 or ~/.cache/edge0)",
-    )
-    g.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="compute dtype of resident weights (default float32)",
-    )
-    g.add_argument("--threads", type=int, default=None, help="torch compute threads")
-    g.add_argument(
-        "--prerouter",
-        type=Path,
-        default=None,
-        help="prerouter heads (default: MODEL_DIR/prerouter.safetensors if present)",
-    )
-    g.add_argument(
-        "--no-prerouter",
-        action="store_true",
-        help="route every layer by its own router (the exact path)",
-    )
-    g.add_argument(
-        "--lora",
-        type=Path,
-        default=None,
-        help="recovery LoRA (default: MODEL_DIR/lora.safetensors if present)",
-    )
-    g.add_argument("--no-lora", action="store_true", help="serve without the LoRA")
-    g.add_argument(
-        "--lora-any-base",
-        action="store_true",
-        help="load a LoRA trained for another base (its base_hash differs)",
-    )
-
-
-def engine_options(args: argparse.Namespace):
-    from edge0.engine import EngineOptions
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return EngineOptions(
-        top_k=args.top_k,
-        memory_budget=args.memory_budget,
-        expert_cache=args.expert_cache,
-        io_mode=args.io_mode,
-        io_threads=args.io_threads,
-        max_context=args.max_context,
-        relayout=args.relayout,
-        cache_dir=args.cache_dir,
-        dtype=getattr(torch, args.dtype),
-        prerouter=args.prerouter,
-        no_prerouter=args.no_prerouter,
-        lora=args.lora,
-        no_lora=args.no_lora,
-        lora_any_base=args.lora_any_base,
-    )
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument(
-        "--sample-top-k",
-        type=int,
-        default=0,
-        help="sample among the k most likely tokens (0 = all); "
-        "--top-k is the number of routed experts",
-    )
-    g.add_argument("--seed", type=int, default=None)
-
-
-def sampling_params(args: argparse.Namespace):
-    from edge0.sampling import SamplingParams
-
-    return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k, seed=args.seed
-    )
-
 
 # -- commands ---------------------------------------------------------------------------------
 
@@ -301,256 +149,43 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_from_args(cls, args: argparse.Namespace, **renamed: str):
-    """A training config dataclass filled from the same-named CLI arguments.
-
-    `renamed` maps a config field to a differently named argument (field="arg").
-    """
-    import dataclasses
-
-    values = {}
-    for f in dataclasses.fields(cls):
-        arg = renamed.get(f.name, f.name)
-        if hasattr(args, arg):
-            values[f.name] = getattr(args, arg)
-    return cls(**values)
-
-
-def cmd_train_teacher(args: argparse.Namespace) -> int:
-    from edge0.train.teacher import TeacherConfig, train_teacher
-
-    cfg = config_from_args(TeacherConfig, args, top_k="native_top_k")
-    cfg.data = tuple(args.data)
-    summary = train_teacher(args.out_dir, cfg, progress=not args.quiet)
-    print(
-        f"teacher in {args.out_dir}: {summary['steps']} steps, "
-        f"{summary['train_tokens']} training tokens, held-out perplexity "
-        f"{summary['heldout_ppl']:.2f}"
+def add_inspect_parser(sub) -> None:
+    """`edge0 inspect DIR`."""
+    p = sub.add_parser(
+        "inspect",
+        help="count parameters, bytes and memory of a HF, MLX or edge0 directory (headers only)",
     )
-    return 0
-
-
-def cmd_train_heads(args: argparse.Namespace) -> int:
-    from edge0.train.heads import HeadsConfig, train_heads
-
-    cfg = config_from_args(HeadsConfig, args, train_tokens="tokens")
-    out = args.out or args.model_dir / modeldir.PREROUTER_FILE
-    report = train_heads(args.model_dir, args.data, out, cfg, progress=not args.quiet)
-    print(f"wrote {out} (K={report['K']}); held-out top-{report['K']} recall per consumer layer:")
-    print("| layer | warm start | trained |\n|---|---|---|")
-    for c in report["consumers"]:
-        print(
-            f"| {c} | {report['warm_start_recall'][str(c)]:.3f} | "
-            f"{report['trained_recall'][str(c)]:.3f} |"
-        )
-    return 0
-
-
-def cmd_train_sft(args: argparse.Namespace) -> int:
-    from edge0.train.sft import SFTConfig, train_sft
-
-    cfg = config_from_args(SFTConfig, args)
-    out = args.out or args.model_dir / modeldir.LORA_SFT_FILE
-    r = train_sft(
-        args.model_dir,
-        args.teacher,
-        args.data,
-        out,
-        cfg,
-        heads=args.prerouter,
-        progress=not args.quiet,
-    )
-    print(
-        f"wrote {out}: {r['steps']} steps on {r['samples']} teacher samples, "
-        f"final loss {r['final_loss']:.4f}; log in {out}.run/log.json"
-    )
-    return 0
-
-
-def cmd_train_opd(args: argparse.Namespace) -> int:
-    from edge0.train.opd import OPDConfig, train_opd
-
-    cfg = config_from_args(OPDConfig, args)
-
-    init = args.init or args.model_dir / modeldir.LORA_SFT_FILE
-    out = args.out or args.model_dir / modeldir.LORA_FILE
-    r = train_opd(
-        args.model_dir,
-        args.teacher,
-        args.data,
-        init,
-        out,
-        cfg,
-        heads=args.prerouter,
-        progress=not args.quiet,
-    )
-    print(
-        f"wrote {out}: {r['steps']} on-policy steps, final loss {r['final_loss']:.5f}; "
-        f"log in {out}.run/log.json"
-    )
-    return 0
-
-
-def add_train_parsers(sub) -> None:
-
-    t = sub.add_parser("train", help="train a teacher, prerouter heads, or the recovery LoRA")
-    tsub = t.add_subparsers(dest="phase", required=True)
-    te = tsub.add_parser("teacher", help="pre-train a small Qwen3-MoE on the stdlib corpus")
-    te.add_argument("out_dir", type=Path)
-    te.add_argument("--steps", type=int, default=1200)
-    te.add_argument("--batch", type=int, default=8)
-    te.add_argument("--seq-len", type=int, default=256)
-    te.add_argument("--lr", type=float, default=3e-3)
-    te.add_argument("--layers", type=int, default=8)
-    te.add_argument("--hidden", type=int, default=256)
-    te.add_argument("--experts", type=int, default=32)
-    te.add_argument("--native-top-k", type=int, default=8)
-    te.add_argument("--expert-width", type=int, default=128)
-    te.add_argument("--vocab", type=int, default=8192)
-    te.add_argument("--seed", type=int, default=0)
-    te.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
-    te.add_argument(
-        "--data",
-        nargs="+",
-        default=["stdlib"],
-        help="text files or directories, or 'stdlib' (default)",
-    )
-
-    te.add_argument("--quiet", action="store_true")
-    te.set_defaults(func=cmd_train_teacher)
-
-    he = tsub.add_parser("heads", help="phase 1: distill prerouter heads from the routers")
-    he.add_argument("model_dir", type=Path)
-    he.add_argument(
-        "--data",
-        nargs="+",
-        required=True,
-        help="text files or directories, or 'stdlib' for the built-in corpus",
-    )
-    he.add_argument(
-        "--out",
-        type=Path,
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--top-k", type=int, default=None, help="served experts per token")
+    p.add_argument(
+        "--memory-budget",
+        type=memory.parse_size,
         default=None,
-        help="output file (default MODEL_DIR/prerouter.safetensors)",
+        help="predict edge0's peak memory under this budget, e.g. 3G",
     )
-    he.add_argument("--top-k", type=int, default=None, help="served K (default native)")
-    he.add_argument("--width", type=int, default=512)
-    he.add_argument("--start-layer", type=int, default=None)
-    he.add_argument("--tokens", type=int, default=60_000, help="training tokens to collect")
-    he.add_argument("--heldout-tokens", type=int, default=16_000)
-    he.add_argument("--epochs", type=int, default=6)
-    he.add_argument("--lr", type=float, default=1e-3)
-    he.add_argument("--seed", type=int, default=0)
-    he.add_argument("--quiet", action="store_true")
-    he.set_defaults(func=cmd_train_heads)
-
-    for name, fn, help_ in (
-        ("sft", cmd_train_sft, "phase 2: LoRA SFT on teacher samples"),
-        ("opd", cmd_train_opd, "phase 3: on-policy reverse-KL distillation"),
-    ):
-        p = tsub.add_parser(name, help=help_)
-        p.add_argument("model_dir", type=Path)
-        p.add_argument("--teacher", type=Path, required=True, help="full-precision HF teacher")
-        p.add_argument(
-            "--data",
-            nargs="+",
-            default=["stdlib"],
-            help="text files or directories, or 'stdlib' (default)",
-        )
-        p.add_argument("--out", type=Path, default=None)
-        p.add_argument(
-            "--prerouter",
-            type=Path,
-            default=None,
-            help="heads (default MODEL_DIR/prerouter.safetensors)",
-        )
-        p.add_argument("--top-k", type=int, default=None, help="served K (default native)")
-        p.add_argument("--prompt-len", type=int, default=32)
-        p.add_argument("--batch", type=int, default=8)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--quiet", action="store_true")
-        p.set_defaults(func=fn)
-        if name == "sft":
-            p.add_argument("--rank", type=int, default=16)
-            p.add_argument("--alpha", type=float, default=32.0)
-            p.add_argument("--samples", type=int, default=512, help="teacher continuations")
-            p.add_argument("--gen-len", type=int, default=96)
-            p.add_argument("--steps", type=int, default=300)
-            p.add_argument("--lr", type=float, default=1e-3)
-        else:
-            p.add_argument(
-                "--init",
-                type=Path,
-                default=None,
-                help="phase-2 LoRA (default MODEL_DIR/lora-phase2.safetensors)",
-            )
-            p.add_argument("--gen-len", type=int, default=64)
-            p.add_argument("--steps", type=int, default=100)
-            p.add_argument("--lr", type=float, default=3e-4)
-            p.add_argument("--teacher-topk", type=int, default=16)
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype of resident weights (the engine's default: float32)",
+    )
+    p.add_argument("--max-context", type=int, default=4096, help="tokens of KV/state to budget")
+    p.set_defaults(func=cmd_inspect)
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from edge0 import evaluate
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from edge0.inspect import format_report, inspect_dir
 
-    target = list(args.target)
-    if target and target[0] == "lora-retention":
-        model_dir = Path(target[1]) if len(target) > 1 else None
-        model_dir = model_dir or default_model_dir()
-        from edge0.tokenizer import load_tokenizer
-
-        ids = load_tokenizer(model_dir).encode(args.prompt)
-        lora_path = args.lora or model_dir / "lora.safetensors"
-
-        k = args.top_k or modeldir.Manifest.load(model_dir).served_top_k
-        r = evaluate.lora_retention(model_dir, lora_path, ids, top_k=k, heads=args.prerouter)
-
-        print(evaluate.retention_table(r))
-        if args.json:
-            evaluate.dump(r, args.json)
-        return 0
-    model_dir = Path(target[0]) if target else default_model_dir()
-    teacher = args.teacher or default_teacher_dir(model_dir)
-    cfg = evaluate.EvalConfig(
-        teacher=teacher,
-        data=tuple(args.data),
+    report = inspect_dir(
+        args.model_dir,
         top_k=args.top_k,
-        windows=args.windows,
-        seq_len=args.seq_len,
-        prerouter=args.prerouter,
-        lora_sft=args.lora_sft,
-        lora_opd=args.lora,
+        memory_budget=args.memory_budget,
+        dtype=getattr(torch, args.dtype),
+        max_context=args.max_context,
     )
-    result = evaluate.evaluate(model_dir, cfg, progress=not args.quiet)
-    print(evaluate.table(result))
-    if args.json:
-        evaluate.dump(result, args.json)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0
-
-
-def add_eval_parser(sub) -> None:
-    e = sub.add_parser(
-        "eval",
-        help="quality of every approximation against the teacher; "
-        "`eval lora-retention` prices merging the LoRA",
-    )
-    e.add_argument("target", nargs="*", help="[MODEL_DIR] or lora-retention [MODEL_DIR]")
-    e.add_argument("--teacher", type=Path, default=None)
-    e.add_argument("--data", nargs="+", default=["stdlib"])
-    e.add_argument("--top-k", type=int, default=None, help="served K")
-    e.add_argument("--windows", type=int, default=32)
-    e.add_argument("--seq-len", type=int, default=256)
-    e.add_argument("--prerouter", type=Path, default=None)
-    e.add_argument("--lora-sft", type=Path, default=None, help="phase-2 LoRA")
-    e.add_argument("--lora", type=Path, default=None, help="phase-3 (served) LoRA")
-    e.add_argument(
-        "--prompt",
-        default="def main(argv):\n",
-        help="lora-retention: the prompt whose first-token logits are compared",
-    )
-    e.add_argument("--json", type=Path, default=None)
-    e.add_argument("--quiet", action="store_true")
-    e.set_defaults(func=cmd_eval)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -604,8 +239,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_chat_parser(sub)
 
-    from edge0.inspect import add_inspect_parser
-
     add_inspect_parser(sub)
 
     s = sub.add_parser("synth", help="write a random-weight Qwen3-MoE of a given shape")
@@ -642,12 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--expert-cache",
         type=memory.parse_size,
         default=None,
-        help="expert pool of the capped arms (default: cap - floor - 600 MiB)",
+        help="expert pool of the capped arms (default: the serving plan's pool under the cap "
+        "less a 600 MiB runtime reserve)",
     )
     b.add_argument("--tokens", type=int, default=64, help="timed decode steps per round")
     b.add_argument("--warmup", type=int, default=8)
     b.add_argument("--rounds", type=int, default=3)
-    b.add_argument("--io-mode", choices=IO_MODES, default="direct")
+    b.add_argument("--io-mode", choices=IO_MODES, default=DEFAULT_IO_MODE)
     b.add_argument("--prerouter", type=Path, default=None)
     b.add_argument("--threads", type=int, default=None)
 

@@ -27,10 +27,10 @@ from edge0.checkpoint import (
     ExpertSource,
     ServedCheckpoint,
     check_dir,
-    load_config,
     sha256_file,
 )
 from edge0.loader import build, expert_prefixes
+from edge0.models import load_config
 from edge0.models.experts import ExpertSlot
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import LAYOUT_KEY, tensor_name

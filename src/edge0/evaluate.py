@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from edge0 import lora, modeldir
+from edge0.plan import resolve_top_k
 from edge0.tokenizer import load_tokenizer
 from edge0.train import common
 from edge0.train.data import load_texts
@@ -60,12 +61,13 @@ def _if_exists(p: Path) -> Path | None:
 def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
     """(label, callable tokens -> logits) for every arm the files allow."""
     teacher = load_teacher(cfg.teacher)
-    native = load_student(model_dir, heads=False)
+    manifest = modeldir.Manifest.load(model_dir)
+    native = load_student(model_dir, top_k=manifest.native_top_k, heads=False)
     out = [
         ("teacher (full precision, native K)", lambda t: teacher(t)),
         (f"int4, native routing, native K={native.top_k}", lambda t: native.forward(t, 1)),
     ]
-    served_k = cfg.top_k or modeldir.Manifest.load(model_dir).served_top_k or native.top_k
+    served_k = resolve_top_k(cfg.top_k, manifest.served_top_k, manifest.native_top_k)
     if served_k != native.top_k:
         served = load_student(model_dir, top_k=served_k, heads=False)
         out.append((f"int4, native routing, served K={served_k}", lambda t: served.forward(t, 1)))

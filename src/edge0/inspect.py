@@ -17,8 +17,6 @@ Counting rules (the ones a header audit uses):
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import re
 from dataclasses import asdict, dataclass, field
@@ -343,8 +341,8 @@ def state_bytes(path: Path, raw: dict, tokens: int, dtype: torch.dtype) -> tuple
     """Per-request state (KV cache, recurrent states) after `tokens` tokens, and its source:
     the model's own cache, allocated on the meta device, when edge0 serves this family, else a
     config estimate."""
-    from edge0.checkpoint import load_config
     from edge0.loader import build
+    from edge0.models import load_config
     from edge0.models.experts import ExpertSlot
 
     try:
@@ -412,8 +410,8 @@ def predict_memory(
 def _consumers(path: Path, fmt: str, moe_layers: int) -> int:
     """Prediction-routed layers of the directory's prerouter heads."""
     if fmt == "edge0":
-        from edge0.checkpoint import load_config
         from edge0.loader import build
+        from edge0.models import load_config
         from edge0.models.experts import ExpertSlot
 
         fam, cfg = load_config(path)
@@ -481,40 +479,3 @@ def format_report(r: Report) -> str:
     elif m:
         lines += ["", f"  does not fit: {m['note']}"]
     return "\n".join(lines)
-
-
-def add_inspect_parser(sub) -> None:
-    """Register `edge0 inspect DIR` on the CLI's subparsers."""
-    p = sub.add_parser(
-        "inspect",
-        help="count parameters, bytes and memory of a HF, MLX or edge0 directory (headers only)",
-    )
-    p.add_argument("model_dir", type=Path)
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--top-k", type=int, default=None, help="served experts per token")
-    p.add_argument(
-        "--memory-budget",
-        type=memory.parse_size,
-        default=None,
-        help="predict edge0's peak memory under this budget, e.g. 3G",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="compute dtype of resident weights (the engine's default: float32)",
-    )
-    p.add_argument("--max-context", type=int, default=4096, help="tokens of KV/state to budget")
-    p.set_defaults(func=cmd_inspect)
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    report = inspect_dir(
-        args.model_dir,
-        top_k=args.top_k,
-        memory_budget=args.memory_budget,
-        dtype=getattr(torch, args.dtype),
-        max_context=args.max_context,
-    )
-    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
-    return 0

@@ -31,7 +31,6 @@ from edge0.checkpoint import (
     TensorInfo,
     check_dir,
     is_adapter_file,
-    load_config,
     read_json,
     sha256_file,
 )
@@ -45,6 +44,7 @@ from edge0.convert import (
 from edge0.loader import build
 from edge0.mlx_format import CONFIG_KEYS, QuantConfig, QuantTensor, dequantize, split_quantized
 from edge0.mlx_format import unpack as unpack_words
+from edge0.models import load_config
 from edge0.models.experts import ExpertSlot
 from edge0.models.layers import ZeroCenteredRMSNorm
 from edge0.store.extents import ExtentLayout

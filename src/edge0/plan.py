@@ -198,3 +198,17 @@ def model_dir_sizes(path: Path, manifest: modeldir.Manifest, model, options: Eng
         prediction_routed_layers=prediction_routed_layers(heads, layers) if serve_heads else 0,
         position_limit=getattr(model.config, "max_position_embeddings", None),
     )
+
+
+def plan_for_dir(path: Path | str, options: EngineOptions) -> ServingPlan:
+    """The plan for serving an edge0 directory with `options`, from headers and a meta-device
+    model (no weights read): what load_engine would allocate."""
+    from edge0.loader import build
+    from edge0.models import load_config
+    from edge0.models.experts import ExpertSlot
+
+    path = Path(path)
+    manifest = modeldir.Manifest.load(path)
+    fam, cfg = load_config(path)
+    model = build(fam, cfg, ExpertSlot)
+    return make_plan(model_dir_sizes(path, manifest, model, options), options)

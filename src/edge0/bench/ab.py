@@ -24,16 +24,12 @@ from pathlib import Path
 import torch
 
 from edge0 import cgroup, corpus, memory, modeldir
+from edge0.options import EngineOptions
+from edge0.plan import RUNTIME_RESERVE, plan_for_dir, resolve_top_k
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
 
 ARMS = ("prerouter", "ondemand", "resident")
-# Anonymous memory beyond the floor and the pool, on the 32-layer 2048-wide synthetic model:
-# 0.36 GiB after load (torch, tokenizer, Python, malloc's retained heap), 0.11 GiB more
-# while decoding, plus the prerouter's heads (0.18 GiB stacked in fp32 at that shape; the
-# floor estimate here counts only the resident file). With 600 MiB the prerouter arm was
-# OOM-killed under a 3.3 GiB cap once routing touched the whole pool.
-RUNTIME_RESERVE = 1 << 30
 
 
 @dataclass
@@ -44,8 +40,8 @@ class BenchConfig:
     tokens: int = 64
     rounds: int = 3
     warmup: int = 8
-    io_mode: str = "direct"
-    io_threads: int = 8
+    io_mode: str = EngineOptions.io_mode
+    io_threads: int = EngineOptions.io_threads
     expert_cache: int | None = None
     prerouter: Path | None = None
     threads: int | None = None
@@ -128,36 +124,47 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
     manifest = modeldir.Manifest.load(model_dir)
     table, extent, meta = read_table(model_dir / EXPERTS_FILE)
     expert_bytes = sum(t.count for t in table.values()) * extent
-    k = cfg.top_k or manifest.served_top_k or manifest.native_top_k
     if any(base(a) not in ARMS or a.partition("+")[2] not in ("", "nolora") for a in cfg.arms):
         raise ValueError(f"--arms: choose from {', '.join(ARMS)}, each optionally +nolora")
     capped = [a for a in cfg.arms if base(a) != "resident"]
     if capped and not cgroup.available():
         raise PermissionError("memory caps need root and cgroup v1 (/sys/fs/cgroup/memory)")
-    floor = (model_dir / modeldir.RESIDENT_FILE).stat().st_size * 2  # bf16 on disk, fp32 in memory
-    pool = cfg.expert_cache or cfg.memory_cap - floor - RUNTIME_RESERVE
-    staging = (len(table) + 1) * k * extent  # every consumer staged + one layer read exactly
-    if capped and pool < staging:
-        raise ValueError(
-            f"--memory-cap {memory.format_bytes(cfg.memory_cap)} leaves "
-            f"{memory.format_bytes(pool)} for experts; staging needs about "
-            f"{memory.format_bytes(staging)}"
-        )
-    if "resident" in map(base, cfg.arms) and expert_bytes + floor > memory.mem_available():
-        raise ValueError(
-            f"the resident arm needs every expert in memory ({memory.format_bytes(expert_bytes)}"
-            f" + floor {memory.format_bytes(floor)}), more than the "
-            f"{memory.format_bytes(memory.mem_available())} available; drop it from --arms"
-        )
     tokens = replay_tokens(model_dir, 1 + cfg.warmup + cfg.tokens)
     bandwidth = disk_bandwidth(model_dir / EXPERTS_FILE, extent)
     results: dict[str, list[dict]] = {a: [] for a in cfg.arms}
     notes = []
     with tempfile.TemporaryDirectory(prefix="edge0-bench-") as tmp:
+        k = resolve_top_k(cfg.top_k, manifest.served_top_k, manifest.native_top_k)
         heads = cfg.prerouter or model_dir / modeldir.PREROUTER_FILE
-        if "prerouter" in cfg.arms and not heads.exists():
+        with_heads = "prerouter" in map(base, cfg.arms)
+        if with_heads and not heads.exists():
             heads = warm_start_heads(model_dir, Path(tmp) / "warm.safetensors", k)
             notes.append("no prerouter.safetensors: the prerouter arm used warm-start heads")
+        # Every capped arm gets the pool the serving plan gives the prerouter arm under the cap
+        # (its floor holds the heads): the arms differ in routing, not in memory.
+        opts = EngineOptions(
+            top_k=k,
+            expert_cache=cfg.expert_cache if capped else expert_bytes,
+            prerouter=heads if with_heads else None,
+            no_prerouter=not with_heads,
+        )
+        if capped and cfg.expert_cache is None:
+            opts.memory_budget = cfg.memory_cap - RUNTIME_RESERVE
+        try:
+            plan = plan_for_dir(model_dir, opts)
+        except ValueError as e:
+            raise ValueError(
+                f"--memory-cap {memory.format_bytes(cfg.memory_cap)} less the runtime's "
+                f"{memory.format_bytes(RUNTIME_RESERVE)}: {e}"
+            ) from e
+        pool, floor = plan.pool_bytes, plan.floor.total
+        if "resident" in map(base, cfg.arms) and expert_bytes + floor > memory.mem_available():
+            raise ValueError(
+                f"the resident arm needs every expert in memory "
+                f"({memory.format_bytes(expert_bytes)} + floor {memory.format_bytes(floor)}), "
+                f"more than the {memory.format_bytes(memory.mem_available())} available; drop "
+                "it from --arms"
+            )
         for r in range(cfg.rounds):
             order = list(cfg.arms[r % len(cfg.arms) :]) + list(cfg.arms[: r % len(cfg.arms)])
             for arm in order:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
+from edge0.checkpoint import read_json
 from edge0.models import (
     bailing_hybrid,
     deepseek_v3,
@@ -35,3 +37,13 @@ def family(model_type: str | None, source: str = "config.json") -> ModuleType:
             f"supported: {', '.join(sorted(FAMILIES))}"
         )
     return FAMILIES[model_type]
+
+
+def load_config(path: Path):
+    """(family module, config) from a directory's config.json."""
+    raw = read_json(path / "config.json", "model configuration")
+    fam = family(raw.get("model_type"), str(path / "config.json"))
+    try:
+        return fam, fam.Config.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from e

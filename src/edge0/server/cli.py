@@ -36,7 +36,7 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     from edge0 import memory
-    from edge0.cli import add_engine_args
+    from edge0.cli_args import add_engine_args
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument(
@@ -86,7 +86,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from edge0.cli import default_model_dir, engine_options
+    from edge0.cli_args import default_model_dir, engine_options
     from edge0.engine import load_engine
     from edge0.server.app import ServerOptions, create_app
 

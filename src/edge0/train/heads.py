@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from edge0 import loader, modeldir
 from edge0.models.base import Forward
+from edge0.plan import resolve_top_k
 from edge0.prerouter.head import DEFAULT_WIDTH, Prerouter, Wiring, features
 from edge0.routing import topk_onehot
 from edge0.tokenizer import load_tokenizer
@@ -99,9 +100,9 @@ def train_heads(
     run = out.with_name(out.name + ".run")
     run.mkdir(parents=True, exist_ok=True)
     gen = common.seed_everything(cfg.seed)
-    _, model = loader.load_edge0_model(model_dir, experts="dequantized")
+    manifest, model = loader.load_edge0_model(model_dir, experts="dequantized")
     mcfg = model.config
-    k = cfg.top_k or mcfg.num_experts_per_tok
+    k = resolve_top_k(cfg.top_k, manifest.served_top_k, manifest.native_top_k)
     model.set_top_k(k)
     wiring = Wiring.default(model.moe_layers, cfg.start_layer)
     tok = load_tokenizer(model_dir)

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from edge0 import decode, loader, lora, modeldir
+from edge0.plan import resolve_top_k
 from edge0.prerouter.head import Prerouter
 from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
@@ -67,10 +68,10 @@ def load_student(
     if present) or False (gate routing). lora_file loads an adapter; new_lora=(r, alpha)
     attaches a fresh one to every family LORA_TARGET."""
     model_dir = Path(model_dir)
-    _, model = loader.load_edge0_model(model_dir, experts="dequantized")
+    manifest, model = loader.load_edge0_model(model_dir, experts="dequantized")
     model.requires_grad_(False)
     cfg = model.config
-    k = top_k or cfg.num_experts_per_tok
+    k = resolve_top_k(top_k, manifest.served_top_k, manifest.native_top_k)
     model.set_top_k(k)
     pre = None
     if heads is not False:

@@ -1,0 +1,196 @@
+"""Argument helpers every `edge0` subcommand shares: engine and sampling flags, the options
+they build, the default model, and the flags library errors are translated to.
+
+Front ends (the main CLI, `edge0 chat`, `edge0 serve`) import this module, never each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+
+from edge0 import memory, modeldir
+from edge0.options import DEFAULT_IO_MODE, EngineOptions
+from edge0.store.expert_file import IO_MODES
+from edge0.store.relayout import POLICIES
+
+# Library errors name option fields; the CLI says which flag sets each.
+FLAGS = {
+    "top_k": "--top-k",
+    "memory_budget": "--memory-budget",
+    "expert_cache": "--expert-cache",
+    "max_context": "--max-context",
+    "max_tokens": "--max-tokens",
+    "no_prerouter": "--no-prerouter",
+    "no_lora": "--no-lora",
+    "lora_any_base": "--lora-any-base",
+}
+_FIELD = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
+
+
+def with_flags(message: str) -> str:
+    """A library message with the flag of each option field it names, e.g. `top_k (--top-k)`."""
+    return _FIELD.sub(lambda m: f"{m[1]} ({FLAGS[m[1]]})", message)
+
+
+def default_model_dir() -> Path:
+    from edge0 import builtin
+
+    return builtin.model_dir()
+
+
+def default_teacher_dir(model_dir: Path) -> Path:
+    """The built-in teacher for the built-in model, else the convert source if still present."""
+    from edge0 import builtin
+
+    if model_dir.resolve() == builtin.ROOT.joinpath("model").resolve():
+        return builtin.teacher_dir()
+    src = Path(modeldir.Manifest.load(model_dir).source.get("path", ""))
+    if src.is_dir() and (src / "config.json").is_file():
+        return src
+    raise ValueError(f"{model_dir}: no teacher known; pass --teacher HF_DIR")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="routed experts per token (default: the model's native width)",
+    )
+    g.add_argument(
+        "--memory-budget",
+        type=memory.parse_size,
+        default=None,
+        help="total bytes for resident weights, KV cache and expert pool, e.g. 2G",
+    )
+    g.add_argument(
+        "--expert-cache",
+        type=memory.parse_size,
+        default=None,
+        help="bytes for the expert pool (instead of deriving it from --memory-budget)",
+    )
+    g.add_argument(
+        "--io-mode",
+        choices=IO_MODES,
+        default=DEFAULT_IO_MODE,
+        help="how experts are read from disk (default: direct, i.e. O_DIRECT)",
+    )
+    g.add_argument(
+        "--max-context",
+        type=int,
+        default=EngineOptions.max_context,
+        help="tokens of prompt plus completion per request; the KV cache is allocated for it "
+        f"(default {EngineOptions.max_context})",
+    )
+    g.add_argument(
+        "--io-threads",
+        type=int,
+        default=EngineOptions.io_threads,
+        help=f"reader threads (default {EngineOptions.io_threads})",
+    )
+    g.add_argument(
+        "--relayout",
+        choices=POLICIES,
+        default="cache",
+        help="experts packed for another CPU's int4 kernel: repack once into a cached copy "
+        "(default) or on every read",
+    )
+    g.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where repacked copies are kept (default $XDG_CACHE_HOME/edge0 or ~/.cache/edge0)",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype of resident weights (default float32)",
+    )
+    g.add_argument("--threads", type=int, default=None, help="torch compute threads")
+    g.add_argument(
+        "--prerouter",
+        type=Path,
+        default=None,
+        help="prerouter heads (default: MODEL_DIR/prerouter.safetensors if present)",
+    )
+    g.add_argument(
+        "--no-prerouter",
+        action="store_true",
+        help="route every layer by its own router (the exact path)",
+    )
+    g.add_argument(
+        "--lora",
+        type=Path,
+        default=None,
+        help="recovery LoRA (default: MODEL_DIR/lora.safetensors if present)",
+    )
+    g.add_argument("--no-lora", action="store_true", help="serve without the LoRA")
+    g.add_argument(
+        "--lora-any-base",
+        action="store_true",
+        help="load a LoRA trained for another base (its base_hash differs)",
+    )
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return EngineOptions(
+        top_k=args.top_k,
+        memory_budget=args.memory_budget,
+        expert_cache=args.expert_cache,
+        io_mode=args.io_mode,
+        io_threads=args.io_threads,
+        max_context=args.max_context,
+        relayout=args.relayout,
+        cache_dir=args.cache_dir,
+        dtype=getattr(torch, args.dtype),
+        prerouter=args.prerouter,
+        no_prerouter=args.no_prerouter,
+        lora=args.lora,
+        no_lora=args.no_lora,
+        lora_any_base=args.lora_any_base,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument(
+        "--sample-top-k",
+        type=int,
+        default=0,
+        help="sample among the k most likely tokens (0 = all); "
+        "--top-k is the number of routed experts",
+    )
+    g.add_argument("--seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace):
+    from edge0.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k, seed=args.seed
+    )
+
+
+def config_from_args(cls, args: argparse.Namespace, **renamed: str):
+    """A training config dataclass filled from the same-named CLI arguments.
+
+    `renamed` maps a config field to a differently named argument (field="arg").
+    """
+    import dataclasses
+
+    values = {}
+    for f in dataclasses.fields(cls):
+        arg = renamed.get(f.name, f.name)
+        if hasattr(args, arg):
+            values[f.name] = getattr(args, arg)
+    return cls(**values)

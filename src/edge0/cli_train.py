@@ -1,0 +1,249 @@
+"""`edge0 train teacher|heads|sft|opd` and `edge0 eval`: the training phases and the quality
+table, parsed here and run by edge0.train and edge0.evaluate."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from edge0 import modeldir
+from edge0.cli_args import config_from_args, default_model_dir, default_teacher_dir
+from edge0.plan import resolve_top_k
+
+
+def cmd_train_teacher(args: argparse.Namespace) -> int:
+    from edge0.train.teacher import TeacherConfig, train_teacher
+
+    cfg = config_from_args(TeacherConfig, args, top_k="native_top_k")
+    cfg.data = tuple(args.data)
+    summary = train_teacher(args.out_dir, cfg, progress=not args.quiet)
+    print(
+        f"teacher in {args.out_dir}: {summary['steps']} steps, "
+        f"{summary['train_tokens']} training tokens, held-out perplexity "
+        f"{summary['heldout_ppl']:.2f}"
+    )
+    return 0
+
+
+def cmd_train_heads(args: argparse.Namespace) -> int:
+    from edge0.train.heads import HeadsConfig, train_heads
+
+    cfg = config_from_args(HeadsConfig, args, train_tokens="tokens")
+    out = args.out or args.model_dir / modeldir.PREROUTER_FILE
+    report = train_heads(args.model_dir, args.data, out, cfg, progress=not args.quiet)
+    print(f"wrote {out} (K={report['K']}); held-out top-{report['K']} recall per consumer layer:")
+    print("| layer | warm start | trained |\n|---|---|---|")
+    for c in report["consumers"]:
+        print(
+            f"| {c} | {report['warm_start_recall'][str(c)]:.3f} | "
+            f"{report['trained_recall'][str(c)]:.3f} |"
+        )
+    return 0
+
+
+def cmd_train_sft(args: argparse.Namespace) -> int:
+    from edge0.train.sft import SFTConfig, train_sft
+
+    cfg = config_from_args(SFTConfig, args)
+    out = args.out or args.model_dir / modeldir.LORA_SFT_FILE
+    r = train_sft(
+        args.model_dir,
+        args.teacher,
+        args.data,
+        out,
+        cfg,
+        heads=args.prerouter,
+        progress=not args.quiet,
+    )
+    print(
+        f"wrote {out}: {r['steps']} steps on {r['samples']} teacher samples, "
+        f"final loss {r['final_loss']:.4f}; log in {out}.run/log.json"
+    )
+    return 0
+
+
+def cmd_train_opd(args: argparse.Namespace) -> int:
+    from edge0.train.opd import OPDConfig, train_opd
+
+    cfg = config_from_args(OPDConfig, args)
+
+    init = args.init or args.model_dir / modeldir.LORA_SFT_FILE
+    out = args.out or args.model_dir / modeldir.LORA_FILE
+    r = train_opd(
+        args.model_dir,
+        args.teacher,
+        args.data,
+        init,
+        out,
+        cfg,
+        heads=args.prerouter,
+        progress=not args.quiet,
+    )
+    print(
+        f"wrote {out}: {r['steps']} on-policy steps, final loss {r['final_loss']:.5f}; "
+        f"log in {out}.run/log.json"
+    )
+    return 0
+
+
+def add_train_parsers(sub) -> None:
+
+    t = sub.add_parser("train", help="train a teacher, prerouter heads, or the recovery LoRA")
+    tsub = t.add_subparsers(dest="phase", required=True)
+    te = tsub.add_parser("teacher", help="pre-train a small Qwen3-MoE on the stdlib corpus")
+    te.add_argument("out_dir", type=Path)
+    te.add_argument("--steps", type=int, default=1200)
+    te.add_argument("--batch", type=int, default=8)
+    te.add_argument("--seq-len", type=int, default=256)
+    te.add_argument("--lr", type=float, default=3e-3)
+    te.add_argument("--layers", type=int, default=8)
+    te.add_argument("--hidden", type=int, default=256)
+    te.add_argument("--experts", type=int, default=32)
+    te.add_argument("--native-top-k", type=int, default=8)
+    te.add_argument("--expert-width", type=int, default=128)
+    te.add_argument("--vocab", type=int, default=8192)
+    te.add_argument("--seed", type=int, default=0)
+    te.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
+    te.add_argument(
+        "--data",
+        nargs="+",
+        default=["stdlib"],
+        help="text files or directories, or 'stdlib' (default)",
+    )
+
+    te.add_argument("--quiet", action="store_true")
+    te.set_defaults(func=cmd_train_teacher)
+
+    he = tsub.add_parser("heads", help="phase 1: distill prerouter heads from the routers")
+    he.add_argument("model_dir", type=Path)
+    he.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        help="text files or directories, or 'stdlib' for the built-in corpus",
+    )
+    he.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output file (default MODEL_DIR/prerouter.safetensors)",
+    )
+    he.add_argument("--top-k", type=int, default=None, help="served K (default native)")
+    he.add_argument("--width", type=int, default=512)
+    he.add_argument("--start-layer", type=int, default=None)
+    he.add_argument("--tokens", type=int, default=60_000, help="training tokens to collect")
+    he.add_argument("--heldout-tokens", type=int, default=16_000)
+    he.add_argument("--epochs", type=int, default=6)
+    he.add_argument("--lr", type=float, default=1e-3)
+    he.add_argument("--seed", type=int, default=0)
+    he.add_argument("--quiet", action="store_true")
+    he.set_defaults(func=cmd_train_heads)
+
+    for name, fn, help_ in (
+        ("sft", cmd_train_sft, "phase 2: LoRA SFT on teacher samples"),
+        ("opd", cmd_train_opd, "phase 3: on-policy reverse-KL distillation"),
+    ):
+        p = tsub.add_parser(name, help=help_)
+        p.add_argument("model_dir", type=Path)
+        p.add_argument("--teacher", type=Path, required=True, help="full-precision HF teacher")
+        p.add_argument(
+            "--data",
+            nargs="+",
+            default=["stdlib"],
+            help="text files or directories, or 'stdlib' (default)",
+        )
+        p.add_argument("--out", type=Path, default=None)
+        p.add_argument(
+            "--prerouter",
+            type=Path,
+            default=None,
+            help="heads (default MODEL_DIR/prerouter.safetensors)",
+        )
+        p.add_argument("--top-k", type=int, default=None, help="served K (default native)")
+        p.add_argument("--prompt-len", type=int, default=32)
+        p.add_argument("--batch", type=int, default=8)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--quiet", action="store_true")
+        p.set_defaults(func=fn)
+        if name == "sft":
+            p.add_argument("--rank", type=int, default=16)
+            p.add_argument("--alpha", type=float, default=32.0)
+            p.add_argument("--samples", type=int, default=512, help="teacher continuations")
+            p.add_argument("--gen-len", type=int, default=96)
+            p.add_argument("--steps", type=int, default=300)
+            p.add_argument("--lr", type=float, default=1e-3)
+        else:
+            p.add_argument(
+                "--init",
+                type=Path,
+                default=None,
+                help="phase-2 LoRA (default MODEL_DIR/lora-phase2.safetensors)",
+            )
+            p.add_argument("--gen-len", type=int, default=64)
+            p.add_argument("--steps", type=int, default=100)
+            p.add_argument("--lr", type=float, default=3e-4)
+            p.add_argument("--teacher-topk", type=int, default=16)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from edge0 import evaluate
+
+    target = list(args.target)
+    if target and target[0] == "lora-retention":
+        model_dir = Path(target[1]) if len(target) > 1 else None
+        model_dir = model_dir or default_model_dir()
+        from edge0.tokenizer import load_tokenizer
+
+        ids = load_tokenizer(model_dir).encode(args.prompt)
+        lora_path = args.lora or model_dir / "lora.safetensors"
+
+        manifest = modeldir.Manifest.load(model_dir)
+        k = resolve_top_k(args.top_k, manifest.served_top_k, manifest.native_top_k)
+        r = evaluate.lora_retention(model_dir, lora_path, ids, top_k=k, heads=args.prerouter)
+
+        print(evaluate.retention_table(r))
+        if args.json:
+            evaluate.dump(r, args.json)
+        return 0
+    model_dir = Path(target[0]) if target else default_model_dir()
+    teacher = args.teacher or default_teacher_dir(model_dir)
+    cfg = evaluate.EvalConfig(
+        teacher=teacher,
+        data=tuple(args.data),
+        top_k=args.top_k,
+        windows=args.windows,
+        seq_len=args.seq_len,
+        prerouter=args.prerouter,
+        lora_sft=args.lora_sft,
+        lora_opd=args.lora,
+    )
+    result = evaluate.evaluate(model_dir, cfg, progress=not args.quiet)
+    print(evaluate.table(result))
+    if args.json:
+        evaluate.dump(result, args.json)
+    return 0
+
+
+def add_eval_parser(sub) -> None:
+    e = sub.add_parser(
+        "eval",
+        help="quality of every approximation against the teacher; "
+        "`eval lora-retention` prices merging the LoRA",
+    )
+    e.add_argument("target", nargs="*", help="[MODEL_DIR] or lora-retention [MODEL_DIR]")
+    e.add_argument("--teacher", type=Path, default=None)
+    e.add_argument("--data", nargs="+", default=["stdlib"])
+    e.add_argument("--top-k", type=int, default=None, help="served K")
+    e.add_argument("--windows", type=int, default=32)
+    e.add_argument("--seq-len", type=int, default=256)
+    e.add_argument("--prerouter", type=Path, default=None)
+    e.add_argument("--lora-sft", type=Path, default=None, help="phase-2 LoRA")
+    e.add_argument("--lora", type=Path, default=None, help="phase-3 (served) LoRA")
+    e.add_argument(
+        "--prompt",
+        default="def main(argv):\n",
+        help="lora-retention: the prompt whose first-token logits are compared",
+    )
+    e.add_argument("--json", type=Path, default=None)
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=cmd_eval)
