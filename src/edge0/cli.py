@@ -184,7 +184,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         dtype=getattr(torch, args.dtype),
         max_context=args.max_context,
     )
-    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    print(
+        json.dumps(report.as_dict(), indent=2) if args.json else with_flags(format_report(report))
+    )
     return 0
 
 
