@@ -1,7 +1,8 @@
 """Reading Hugging Face model directories: config.json and (sharded) safetensors, lazily.
 
-Tensors are read one at a time through safetensors' memory map, so nothing here holds more
-than the tensor a caller asked for. Every error names the file and what is wrong with it.
+Tensors are read one at a time with pread into fresh buffers (never memory-mapped), so nothing
+here holds more than the tensor a caller asked for. Every error names the file and what is
+wrong with it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
 """Executor strategies: how a layer gets its experts' bytes from the pool and computes them.
 
-  ExactExecutor       decode: read what the router chose (misses only), then compute
+  ExactExecutor       decode, gate-routed layers: read what the router chose (misses only),
+                      then compute
+  StagedExecutor      decode, prediction-routed layers: compute what the request staged for
+                      this layer one token ahead
   WholeLayerExecutor  prefill: read the layer's experts in runs, compute every prompt token,
                       and read the next layer while this one computes
+
+The engine picks one per layer and phase and passes them in the call's Forward.
 
 All paths compute down(silu(gate x) * up x) from the same int4 bytes (the math contract).
 Shape legend: T tokens, K active, D hidden, I expert width.
