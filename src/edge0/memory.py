@@ -2,7 +2,9 @@
 
 Anonymous memory (heap, torch tensors, the expert pool) cannot be reclaimed under pressure;
 file-backed pages (mapped libraries, mmap-read extents) can be. Peak values come from a
-sampler thread, because the kernel only keeps a peak of the total (VmHWM).
+sampler thread, because the kernel only keeps a peak of the total (VmHWM). It reads
+/proc/self/status (RssAnon, RssFile: ~0.02 ms a read), never /proc/self/smaps_rollup, whose
+walk of every mapping costs 15-33 ms at 1-3 GiB of RSS on the cores that decode.
 Note: pages that buffered reads leave in the page cache are not mapped into the process, so
 they appear in neither number; a memory cgroup charges them and can reclaim them.
 """
@@ -39,15 +41,16 @@ class MemorySample:
 
 
 def sample() -> MemorySample:
-    """Current resident anonymous and file-backed bytes of this process."""
-    fields = {}
-    with open("/proc/self/smaps_rollup") as f:
+    """Current resident anonymous and file-backed bytes of this process (RssAnon, RssFile)."""
+    anon = file = 0
+    with open("/proc/self/status", "rb") as f:
         for line in f:
-            parts = line.split()
-            if len(parts) == 3 and parts[2] == "kB":
-                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    anon = fields.get("Anonymous", 0)
-    return MemorySample(anon_bytes=anon, file_bytes=fields.get("Rss", 0) - anon)
+            if line.startswith(b"RssAnon:"):
+                anon = int(line.split()[1]) * 1024
+            elif line.startswith(b"RssFile:"):
+                file = int(line.split()[1]) * 1024
+                break  # RssFile follows RssAnon
+    return MemorySample(anon_bytes=anon, file_bytes=file)
 
 
 def mem_available() -> int:
@@ -60,7 +63,7 @@ def mem_available() -> int:
 
 
 class PeakSampler:
-    """Samples smaps_rollup on a daemon thread and keeps the peaks; use as a context manager."""
+    """Samples /proc/self/status on a daemon thread and keeps the peaks; a context manager."""
 
     def __init__(self, interval_s: float = 0.02):
         self.interval_s = interval_s
