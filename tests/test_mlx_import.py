@@ -57,7 +57,9 @@ def qwen3(tmp_path_factory):
     hf = make_hf_model(root / "hf", scale=4.0)
     mlx = hf_to_mlx(hf, root / "mlx", root / "equiv", prefix="language_model.", shards=2)
     import_mlx(root / "mlx", root / "e0_mlx", progress=False)
-    convert(root / "equiv", root / "e0_equiv", progress=False)
+    # bf16 resident weights: the MLX values dequantized, comparable with the equivalent floats
+    import_mlx(root / "mlx", root / "e0_mlx_bf16", progress=False, resident="bf16")
+    convert(root / "equiv", root / "e0_equiv", progress=False, resident="bf16")
     return root, mlx
 
 
@@ -117,9 +119,22 @@ def test_resident_weights_are_the_dequantized_mlx_values(qwen3):
 def test_import_is_byte_identical_to_converting_the_equivalent_floats(qwen3):
     root, _ = qwen3
     for name in ("experts.safetensors", "model.safetensors"):
-        a = (root / "e0_mlx" / name).read_bytes()
+        a = (root / "e0_mlx_bf16" / name).read_bytes()
         b = (root / "e0_equiv" / name).read_bytes()
         assert a == b, name
+
+
+def test_int4_resident_weights_keep_the_mlx_values_bit_for_bit(qwen3):
+    root, mlx = qwen3
+    ours = read_tensors(root / "e0_mlx" / "model.safetensors")
+    kept = [k for k in ours if k.endswith(".scales")]
+    assert kept  # attention and embeddings are int4 (the 8-bit routers are dequantized)
+    for key in kept:
+        module = key.removesuffix(".scales")
+        for part in ("weight", "scales", "biases"):
+            theirs = mlx[f"language_model.{module}.{part}"]
+            assert torch.equal(ours[f"{module}.{part}"], theirs), f"{module}.{part}"
+    assert not any(k.endswith("mlp.gate.scales") for k in ours)
 
 
 def greedy(path, prompt):
@@ -159,8 +174,9 @@ def test_qwen3_5_moe_hybrid_round_trip(tmp_path):
     assert mlx["language_model.model.layers.1.mlp.shared_expert_gate.weight"].dtype == (
         torch.uint32
     )
-    import_mlx(tmp_path / "mlx", tmp_path / "e0_mlx", progress=False)
-    convert(tmp_path / "equiv", tmp_path / "e0_equiv", progress=False)
+    # bf16 resident weights: the MLX values dequantized, comparable with the equivalent floats
+    import_mlx(tmp_path / "mlx", tmp_path / "e0_mlx", progress=False, resident="bf16")
+    convert(tmp_path / "equiv", tmp_path / "e0_equiv", progress=False, resident="bf16")
     for name in ("experts.safetensors", "model.safetensors"):
         assert (tmp_path / "e0_mlx" / name).read_bytes() == (
             tmp_path / "e0_equiv" / name

@@ -48,6 +48,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet,
         int4=args.int4_layout,
+        resident=args.resident,
     )
     print(
         f"wrote {report.out_dir}: {report.num_extents} expert extents of {report.extent_bytes} "
@@ -208,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-mlx",
         action="store_true",
         help="HF_DIR is an MLX affine int4 checkpoint: experts are repacked, not re-quantized",
+    )
+    c.add_argument(
+        "--resident",
+        choices=("int4", "bf16"),
+        default="int4",
+        help="resident projections and embeddings as int4 (default, the reference's format) "
+        "or bf16 (for parity work)",
     )
     c.add_argument(
         "--int4-layout",

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0 import int4_layout, memory, modeldir
+from edge0 import int4_layout, memory, modeldir, quant
 from edge0.checkpoint import (
     Checkpoint,
     ExpertSource,
@@ -30,14 +30,17 @@ from edge0.checkpoint import (
     sha256_file,
 )
 from edge0.loader import build, expert_prefixes
-from edge0.models import load_config
+from edge0.models import int4, load_config
 from edge0.models.experts import ExpertSlot
+from edge0.models.int4 import int4_weights
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import LAYOUT_KEY, tensor_name
 from edge0.store.extents import ExtentLayout
 from edge0.store.writer import StreamingSafetensors
 
 log = logging.getLogger(__name__)
+
+RESIDENT_FORMATS = ("int4", "bf16")
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -80,16 +83,18 @@ def convert(
     force: bool = False,
     progress: bool = True,
     int4: str | None = None,
+    resident: str = "int4",
 ) -> ConvertReport:
     """`int4` names the arrangement of the expert codes (int4_layout.py); the default is this
-    machine's kernel's, so serving here never repacks. Any arrangement serves everywhere."""
+    machine's kernel's, so serving here never repacks. Any arrangement serves everywhere.
+    `resident` is "int4" (projections and embeddings as int4, models/int4.py) or "bf16"."""
     with memory.PeakSampler() as peaks:
-        report = _convert(hf_dir, out_dir, force, progress, int4)
+        report = _convert(hf_dir, out_dir, force, progress, int4, resident)
     report.peak_anon_bytes, report.peak_file_bytes = peaks.peak_anon, peaks.peak_file
     return report
 
 
-def _convert(hf_dir, out_dir, force: bool, progress: bool, int4: str | None) -> ConvertReport:
+def _convert(hf_dir, out_dir, force, progress, int4, resident) -> ConvertReport:
     t0 = time.perf_counter()
 
     src = check_dir(hf_dir, "Hugging Face model directory")
@@ -101,7 +106,9 @@ def _convert(hf_dir, out_dir, force: bool, progress: bool, int4: str | None) -> 
     sources = {i: ExpertSource(ckpt, prefix, cfg.num_experts) for i, prefix in prefixes.items()}
     for source in sources.values():
         source.check_shapes(cfg.hidden_size, cfg.moe_intermediate_size)
-    return write_model_dir(src, out, fam, cfg, ckpt, sources, progress=progress, t0=t0, int4=int4)
+    return write_model_dir(
+        src, out, fam, cfg, ckpt, sources, progress=progress, t0=t0, int4=int4, resident=resident
+    )
 
 
 def check_out_dir(out_dir: Path | str, force: bool) -> Path:
@@ -132,18 +139,27 @@ def write_model_dir(
     config: dict | None = None,
     extra: Callable[[Path], None] | None = None,
     int4: str | None = None,
+    resident: str = "int4",
 ) -> ConvertReport:
     """Write an edge0 directory from any checkpoint view and per-layer expert sources.
 
     `ckpt` needs keys/shape/get/files/hashes (resident tensors under our module names);
     each source needs keys/extent/release. `config` replaces config.json's content,
     `source` the manifest's provenance, and `extra(tmp)` adds files before hashing. `int4`
-    names the codes' arrangement (default: this machine's kernel's).
+    names the codes' arrangement (default: this machine's kernel's); `resident` is "int4" or
+    "bf16". A checkpoint that offers `quantized(key)` (an MLX one) keeps its int4 values.
     """
+    if resident not in RESIDENT_FORMATS:
+        raise ValueError(f"resident must be one of {RESIDENT_FORMATS}, not {resident!r}")
     arrangement = int4_layout.by_name(int4) if int4 else int4_layout.host_layout()
     layout = ExtentLayout(cfg.hidden_size, cfg.moe_intermediate_size, arrangement)
     skip = {k for s in sources.values() for k in s.keys()}
-    resident = _check_resident(ckpt, expected_resident(fam, cfg), skip)
+    meta_model = build(fam, cfg, ExpertSlot)
+    expected = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
+    keys = _check_resident(ckpt, expected, skip)
+    as_int4 = set()
+    if resident == "int4":
+        as_int4 = int4_weights(meta_model, getattr(fam, "NOT_INT4", ()))
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -151,7 +167,7 @@ def write_model_dir(
     try:
         keep_fp32 = getattr(fam, "KEEP_FP32", ())
         resident_bytes = _write_resident(
-            ckpt, resident, tmp / modeldir.RESIDENT_FILE, progress, keep_fp32
+            ckpt, keys, tmp / modeldir.RESIDENT_FILE, progress, keep_fp32, as_int4
         )
         table = _write_experts(cfg, sources, layout, tmp / EXPERTS_FILE, progress)
         for name in ("config.json",) + TOKENIZER_FILES:
@@ -168,6 +184,7 @@ def write_model_dir(
             native_top_k=cfg.num_experts_per_tok,
             layers=table,
             source=source or {"path": str(src.resolve()), "files": ckpt.hashes()},
+            resident=resident,
         )
         manifest.files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest.save(tmp)
@@ -220,18 +237,45 @@ def _check_resident(
 
 
 def _write_resident(
-    ckpt: Checkpoint, keys: list[str], path: Path, progress: bool, keep_fp32: tuple[str, ...] = ()
+    ckpt,
+    keys: list[str],
+    path: Path,
+    progress: bool,
+    keep_fp32: tuple[str, ...] = (),
+    as_int4: set[str] = frozenset(),
 ) -> int:
     """bf16, except names ending in one of the family's `KEEP_FP32` suffixes (routers and
-    selection biases, whose bf16 rounding would change which experts are chosen)."""
-    dtypes = {k: torch.float32 if k.endswith(keep_fp32) else torch.bfloat16 for k in keys}
-    specs = [(k, dtypes[k], tuple(ckpt.shape(k))) for k in keys]
+    selection biases, whose bf16 rounding would change which experts are chosen), and the
+    weights in `as_int4`: MLX affine int4, as `.weight` U32 words with `.scales`/`.biases`."""
+    specs = []
+    for k in keys:
+        shape = tuple(ckpt.shape(k))
+        if k in as_int4:
+            n, width = shape
+            groups = (n, width // quant.GROUP)
+            module = k.removesuffix(".weight")
+            specs += [
+                (k, torch.uint32, (n, width // 8)),
+                (f"{module}.scales", torch.bfloat16, groups),
+                (f"{module}.biases", torch.bfloat16, groups),
+            ]
+        else:
+            dtype = torch.float32 if k.endswith(keep_fp32) else torch.bfloat16
+            specs.append((k, dtype, shape))
+    dtypes = {name: dtype for name, dtype, _ in specs}
     writer = StreamingSafetensors(path, specs, metadata={"format": "pt", "edge0": "resident"})
     total = 0
+    quantized = getattr(ckpt, "quantized", lambda key: None)
     for k in tqdm(keys, desc="resident weights", unit="tensor", disable=not progress):
-        t = ckpt.get(k).to(dtypes[k])
-        writer.write(k, t)
-        total += t.numel() * t.element_size()
+        if k in as_int4:
+            module = k.removesuffix(".weight")
+            parts = quantized(k) or int4.quantize(ckpt.get(k))  # MLX int4 kept as it is
+            out = dict(zip((k, f"{module}.scales", f"{module}.biases"), parts, strict=True))
+        else:
+            out = {k: ckpt.get(k).to(dtypes[k])}
+        for name, t in out.items():
+            writer.write(name, t)
+            total += t.numel() * t.element_size()
     writer.close()
     return total
 

@@ -158,7 +158,7 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
         plan.pool_bytes,
         io_threads=opts.io_threads,
     )
-    prerouter = PrerouterRuntime(heads, model, pool) if heads is not None else None
+    prerouter = PrerouterRuntime(heads, model, pool, opts.dtype) if heads is not None else None
     return Engine(path, opts, manifest, model, plan, pool, prerouter, lora_meta, prerouter_meta)
 
 

@@ -26,9 +26,10 @@ import torch
 
 from edge0 import memory, modeldir
 from edge0.checkpoint import INDEX_NAME, check_dir, is_adapter_file, read_header, read_json
-from edge0.mlx_format import QuantConfig, split_quantized
+from edge0.mlx_format import QuantConfig, QuantParams, split_quantized
 from edge0.options import EngineOptions
 from edge0.plan import ModelSizes, make_plan, prediction_routed_layers, resolve_top_k
+from edge0.quant import GROUP
 from edge0.store.extents import ExtentLayout
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Tensor:
     params: int
     bytes: int
     stored: int = 1  # tensors in the file: 3 for an MLX-quantized weight
+    bits: int | None = None  # of a quantized weight
 
 
 def kind_of(name: str) -> str:
@@ -144,7 +146,9 @@ def read_tensors(files: list[Path], qcfg: QuantConfig | None) -> list[Tensor]:
         table, _ = read_header(f)
         quantized, plain = split_quantized(table, qcfg, str(f))
         for module, qt in quantized.items():
-            out.append(Tensor(module, kind_of(module), qt.shape, qt.numel, qt.nbytes, 3))
+            out.append(
+                Tensor(module, kind_of(module), qt.shape, qt.numel, qt.nbytes, 3, qt.params.bits)
+            )
         for key in plain:
             info = table[key]
             out.append(Tensor(key, kind_of(key), info.shape, _numel(info.shape), info.nbytes))
@@ -232,9 +236,11 @@ def inspect_dir(
     cfg = flat_config(raw)
     fmt = detect_format(path, raw)
     qcfg = QuantConfig.from_config(raw, str(path / "config.json"))
+    manifest = read_json(path / "edge0.json", "edge0 manifest") if fmt == "edge0" else None
+    if manifest and manifest.get("quantization", {}).get("resident") == "int4":
+        qcfg = QuantConfig(QuantParams(GROUP, 4), {})  # MLX's affine int4 format
     files = weight_files(path, fmt)
     tensors = read_tensors(files, qcfg)
-    manifest = read_json(path / "edge0.json", "edge0 manifest") if fmt == "edge0" else None
 
     tally = Tally()
     for t in tensors:
@@ -316,7 +322,10 @@ def inspect_dir(
         options = EngineOptions(
             top_k=top_k, memory_budget=memory_budget, dtype=dtype, max_context=max_context
         )
-        report.memory = predict_memory(path, raw, report, fmt, extent, options, recorded_k)
+        int4_bytes, int4_params = int4_resident(path, raw, fmt, tensors)
+        report.memory = predict_memory(
+            path, raw, report, fmt, extent, options, recorded_k, int4_bytes, int4_params
+        )
     return report
 
 
@@ -373,6 +382,8 @@ def predict_memory(
     extent: int,
     options: EngineOptions,
     served_top_k: int | None,
+    int4_bytes: int = 0,
+    int4_params: int = 0,
 ) -> dict[str, object]:
     """The engine's serving plan for this model (plan.py), from headers: the floor by part, the
     pool in whole extents, the staging room; peak = floor + pool (interpreter and allocator
@@ -380,7 +391,8 @@ def predict_memory(
     state_source = state_bytes(path, raw, 1, options.dtype)[1]
     pre = r.adapters.get("prerouter")
     sizes = ModelSizes(
-        resident_params=r.resident_total.params,
+        resident_params=r.resident_total.params - int4_params,
+        int4_bytes=int4_bytes,
         moe_layers=r.moe_layers,
         experts_per_layer=r.experts_per_layer,
         extent_bytes=extent,
@@ -405,6 +417,35 @@ def predict_memory(
     out = plan.as_dict()
     out.update(fits=True, predicted_peak_bytes=plan.total_bytes, state_source=state_source)
     return out
+
+
+def int4_resident(path: Path, raw: dict, fmt: str, tensors: list[Tensor]) -> tuple[int, int]:
+    """(bytes as held, parameters) of the resident weights edge0 serves as int4: those an
+    edge0 directory stores so, an MLX checkpoint's 4-bit ones (kept bit for bit), or for a
+    Hugging Face checkpoint of a family edge0 serves, those `convert` would quantize."""
+    from edge0.plan import int4_held_bytes
+
+    tied = bool(_first(flat_config(raw), "tie_word_embeddings", default=False))
+    resident = [t for t in tensors if t.kind not in ("routed", "unused")]
+    if fmt in ("edge0", "mlx"):
+        chosen = [t for t in resident if t.bits == 4]
+    else:
+        try:
+            from edge0.loader import build
+            from edge0.models import load_config
+            from edge0.models.experts import ExpertSlot
+            from edge0.models.int4 import int4_weights
+
+            fam, cfg = load_config(path)
+            names = int4_weights(build(fam, cfg, ExpertSlot), getattr(fam, "NOT_INT4", ()))
+            chosen = [t for t in resident if fam.sanitize(cfg, t.name) in names]
+        except ValueError as e:  # a family edge0 does not serve: counted as float
+            log.info("%s: int4 resident weights not predicted (%s)", path, e)
+            chosen = []
+    held = sum(
+        int4_held_bytes(t.shape[0], t.shape[1], t.kind == "embeddings", tied) for t in chosen
+    )
+    return held, sum(t.params for t in chosen)
 
 
 def _consumers(path: Path, fmt: str, moe_layers: int) -> int:

@@ -2,8 +2,9 @@
 
 Three ways to get a runnable model:
   load_hf_model        a Hugging Face directory, every expert resident in float (the teacher)
-  load_edge0_model     an edge0 directory; experts either stream from disk ("streaming") or
-                       are dequantized from the int4 extents into memory ("dequantized": the
+  load_edge0_model     an edge0 directory; experts either stream from disk ("streaming", with
+                       int4 resident weights as Int4 modules) or are dequantized from the int4
+                       extents into memory ("dequantized", int4 resident weights too: the
                        student path that training runs on, exactly what the kernels compute)
 """
 
@@ -17,7 +18,8 @@ from safetensors.torch import load_file
 
 from edge0 import modeldir
 from edge0.checkpoint import Checkpoint, ExpertSource, ServedCheckpoint, check_dir
-from edge0.models import load_config
+from edge0.int4_layout import host_layout
+from edge0.models import int4, load_config
 from edge0.models.experts import ExpertSlot, ResidentExperts
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
@@ -105,6 +107,7 @@ def load_edge0_model(
         ) from e
     if experts == "streaming":
         model = build(fam, cfg, ExpertSlot)
+        int4.install(model, state, host_layout(), str(resident_path), dtype)
     elif experts == "dequantized":
         model = build(
             fam,
@@ -114,6 +117,7 @@ def load_edge0_model(
             ),
         )
         state.update(dequantized_experts(path, manifest, expert_prefixes(model)))
+        int4.dequantize_state(state)
     else:
         raise ValueError(f"experts must be 'streaming' or 'dequantized', not {experts!r}")
     load_state(model, state, str(resident_path), dtype)

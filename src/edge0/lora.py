@@ -24,18 +24,25 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from edge0.models.int4 import Int4Linear
+
 FORMAT_VERSION = "1"
 
 
-class LoraLinear(nn.Module):
-    """A frozen nn.Linear plus a trainable low-rank parallel delta."""
+# What a LoRA may sit on: a float projection, or an int4 one (the served floor, models/int4.py).
+BASES = (nn.Linear, Int4Linear)
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float):
+
+class LoraLinear(nn.Module):
+    """A frozen projection (float or int4) plus a trainable low-rank parallel delta."""
+
+    def __init__(self, base: nn.Module, r: int, alpha: float):
         super().__init__()
         self.base = base
         self.r, self.alpha = r, alpha
         self.scale = alpha / r
-        dev = base.weight.device
+        dev = next(iter(base.buffers() if isinstance(base, Int4Linear) else base.parameters()))
+        dev = dev.device
         self.lora_A = nn.Parameter(torch.zeros(r, base.in_features, device=dev))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=dev))
         self.enabled = True
@@ -68,7 +75,7 @@ def target_paths(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
     for i in range(len(model.backbone.layers)):
         for suffix in targets:
             path = f"{prefix}.{i}.{suffix}"
-            if isinstance(names.get(path), nn.Linear | LoraLinear):
+            if isinstance(names.get(path), BASES + (LoraLinear,)):
                 paths.append(path)
     if not paths:
         raise ValueError(f"no LoRA target of {targets} exists in this model")
@@ -89,7 +96,7 @@ def attach(
         base = model.get_submodule(path)
         if isinstance(base, LoraLinear):
             raise ValueError(f"{path} already carries a LoRA")
-        if not isinstance(base, nn.Linear):
+        if not isinstance(base, BASES):
             raise ValueError(f"LoRA target {path} is a {type(base).__name__}, not a Linear")
         lora = LoraLinear(base, r, alpha)
         lora.reset_parameters(gen)
@@ -182,7 +189,7 @@ def load(
         if len(pair) != 2:
             missing = {"lora_A", "lora_B"} - set(pair)
             raise ValueError(f"{path}: target {name} lacks {missing.pop()}")
-        if not isinstance(modules.get(name), nn.Linear):
+        if not isinstance(modules.get(name), BASES):
             raise ValueError(f"{path}: unknown LoRA target {name!r} (no such Linear in this model)")
     declared = json.loads(f.metadata["targets"]) if "targets" in f.metadata else sorted(pairs)
     missing = sorted(set(declared) - set(pairs))

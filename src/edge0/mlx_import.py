@@ -179,6 +179,16 @@ class MLXCheckpoint:
             t = t.float() - 1.0  # MLX stores 1 + w; exact in bf16 while 1 + w >= 0.5 (Sterbenz)
         return t
 
+    def quantized(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A weight stored as 4-bit group-64 with bf16 scales, as its (words, scales, biases):
+        exactly edge0's int4 resident format, so it is kept bit for bit. None otherwise."""
+        stored, qt = self.entries[key]
+        if qt is None or (qt.params.bits, qt.params.group_size) != (4, 64):
+            return None
+        if qt.scales.dtype != "BF16" or len(qt.shape) != 2:
+            return None
+        return tuple(self.raw.get(f"{qt.module}.{part}") for part in ("weight", "scales", "biases"))
+
     def _dequantize(self, qt: QuantTensor) -> torch.Tensor:
         packed = self.raw.get(f"{qt.module}.weight")
         scales, biases = self.raw.get(f"{qt.module}.scales"), self.raw.get(f"{qt.module}.biases")
@@ -281,16 +291,17 @@ def import_mlx(
     force: bool = False,
     progress: bool = True,
     int4: str | None = None,
+    resident: str = "int4",
 ) -> ConvertReport:
     """Build an edge0 directory from an MLX affine int4 checkpoint and its adapter files.
-    `int4` as for `convert.convert`."""
+    `int4` and `resident` as for `convert.convert`; int4 resident weights keep MLX's values."""
     with memory.PeakSampler() as peaks:
-        report = _import(mlx_dir, out_dir, force, progress, int4)
+        report = _import(mlx_dir, out_dir, force, progress, int4, resident)
     report.peak_anon_bytes, report.peak_file_bytes = peaks.peak_anon, peaks.peak_file
     return report
 
 
-def _import(mlx_dir, out_dir, force: bool, progress: bool, int4: str | None) -> ConvertReport:
+def _import(mlx_dir, out_dir, force, progress, int4, resident) -> ConvertReport:
     t0 = time.perf_counter()
     src = check_dir(mlx_dir, "MLX model directory")
     out = check_out_dir(out_dir, force)
@@ -330,6 +341,7 @@ def _import(mlx_dir, out_dir, force: bool, progress: bool, int4: str | None) -> 
             config=config,
             extra=write_adapters,
             int4=int4,
+            resident=resident,
         )
     finally:
         ckpt.close()

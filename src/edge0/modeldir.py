@@ -1,7 +1,8 @@
 """The edge0 model directory and its manifest, edge0.json.
 
 config.json, tokenizer files, chat template   copied from the Hugging Face source
-model.safetensors                             resident (non-expert) weights, bf16
+model.safetensors                             resident (non-expert) weights: bf16, or int4 for
+                                              projections and embeddings (models/int4.py)
 experts.safetensors                           one aligned int4 extent per routed expert
 edge0.json                                    format version, family, layout, hashes
 prerouter.safetensors, lora.safetensors       optional trained adapters
@@ -49,6 +50,7 @@ class Manifest:
         native_top_k: int,
         layers: dict[int, dict[str, int]],
         source: dict,
+        resident: str = "bf16",
     ) -> Manifest:
         return cls(
             format_version=FORMAT_VERSION,
@@ -62,7 +64,8 @@ class Manifest:
                     "kernel": "aten._weight_int4pack_mm_for_cpu",
                     "layout": layout.int4.name,  # arrangement of the codes (int4_layout.py)
                 },
-                "resident": "bf16",
+                # "int4": projections and embeddings as MLX affine int4 (models/int4.py)
+                "resident": resident,
             },
             experts={
                 "file": "experts.safetensors",

@@ -24,14 +24,13 @@ from edge0.options import EngineOptions
 # allocator's retained heap): 0.36 GiB after load and 0.11 GiB more while decoding, measured on
 # the 32-layer 2048-wide synthetic model. A memory cap is turned into a budget by this much.
 RUNTIME_RESERVE = 600 << 20
-HEADS_DTYPE = torch.float32  # stacked prerouter heads on the CPU (prerouter/head.py)
 
 
 @dataclass(frozen=True)
 class ModelSizes:
     """What planning needs to know of a model, from file headers alone."""
 
-    resident_params: int
+    resident_params: int  # float parameters of the resident floor (held at the compute dtype)
     moe_layers: int
     experts_per_layer: int
     extent_bytes: int
@@ -42,15 +41,16 @@ class ModelSizes:
     head_params: int = 0  # the prerouter heads
     prediction_routed_layers: int = 0  # consumers of those heads
     position_limit: int | None = None  # the model's max_position_embeddings, if it has one
+    int4_bytes: int = 0  # int4 resident weights as held (models/int4.py), whatever the dtype
 
 
 @dataclass(frozen=True)
 class Floor:
     """Resident bytes besides the expert pool, by part."""
 
-    weights: int  # resident parameters at the compute dtype
+    weights: int  # resident float parameters at the compute dtype, plus the int4 ones
     adapter: int  # the recovery LoRA at the compute dtype
-    heads: int  # the prerouter heads as stacked for serving
+    heads: int  # the prerouter heads as stacked for serving, at the compute dtype
     state: int  # one request's KV cache and recurrent state at max_context
 
     @property
@@ -107,9 +107,9 @@ def make_plan(
     context = min(options.max_context, sizes.position_limit or options.max_context)
     item = options.dtype.itemsize
     floor = Floor(
-        weights=sizes.resident_params * item,
+        weights=sizes.resident_params * item + sizes.int4_bytes,
         adapter=sizes.adapter_params * item,
-        heads=sizes.head_params * HEADS_DTYPE.itemsize,
+        heads=sizes.head_params * item,  # stacked at the compute dtype (prerouter/head.py)
         state=sizes.state_bytes(context, options.dtype),
     )
     extent = sizes.extent_bytes
@@ -160,6 +160,38 @@ def _params(path: Path) -> int:
     return sum(_numel(t.shape) for t in table.values())
 
 
+def int4_held_bytes(out: int, inp: int, embedding: bool = False, tied: bool = False) -> int:
+    """Bytes an int4 resident weight [out, inp] takes loaded (models/int4.py): codes at 4 bits
+    plus a (scale, zero) or (scale, bias) pair per group of 64, and for a tied embedding the
+    packed copy its output projection runs on."""
+    one = out * inp // 2 + 4 * out * (inp // 64)
+    return 2 * one if embedding and tied else one
+
+
+def resident_sizes(path: Path, model) -> tuple[int, int]:
+    """(float parameters, int4 bytes as held) of an edge0 directory's model.safetensors."""
+    from torch import nn
+
+    from edge0.models.int4 import Int4Embedding
+
+    table, _ = read_header(path)
+    modules = dict(model.named_modules())
+    int4 = {k.removesuffix(".scales") for k in table if k.endswith(".scales")}
+    floats, held = 0, 0
+    for key, info in table.items():
+        module, _, part = key.rpartition(".")
+        if module in int4:
+            if part == "weight":
+                out, inp = info.shape[0], info.shape[1] * 8
+                emb = isinstance(modules.get(module), nn.Embedding | Int4Embedding)
+                held += int4_held_bytes(out, inp, emb, model.config.tie_word_embeddings)
+            elif part not in ("scales", "biases"):
+                floats += _numel(info.shape)  # a bias
+        else:
+            floats += _numel(info.shape)
+    return floats, held
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -185,8 +217,10 @@ def model_dir_sizes(path: Path, manifest: modeldir.Manifest, model, options: Eng
     adapter = options.lora or path / modeldir.LORA_FILE
     serve_lora = not options.no_lora and (options.lora is not None or adapter.exists())
     layers = model.moe_layers
+    floats, int4_bytes = resident_sizes(path / modeldir.RESIDENT_FILE, model)
     return ModelSizes(
-        resident_params=_params(path / modeldir.RESIDENT_FILE),
+        resident_params=floats,
+        int4_bytes=int4_bytes,
         moe_layers=len(layers),
         experts_per_layer=manifest.experts["num_experts"],
         extent_bytes=manifest.layout().nbytes,

@@ -151,6 +151,9 @@ class Model(CausalLM):
 
 
 sanitize = deepseek_v3.sanitize
+# MLA reads kv_b_proj as a matrix (absorbed into the query and the output), not through its
+# forward: it stays float (models/int4.py)
+NOT_INT4 = ("kv_b_proj",)
 KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.expert_bias", "A_log", "dt_bias", "conv1d.weight")
 LORA_TARGETS = tuple(
     f"attention.{p}"

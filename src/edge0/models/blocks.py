@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from edge0.models.base import Forward
+from edge0.models.int4 import Int4Embedding
 from edge0.models.layers import KVCache, RMSNorm, RotaryEmbedding
 
 # (logits [T, E], k, the block's gate) -> (weights [T, K], indices [T, K]); see routing.py
@@ -208,7 +209,10 @@ class CausalLM(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.config.tie_word_embeddings:
-            return h @ self.backbone.embedding().weight.t()
+            emb = self.backbone.embedding()
+            if isinstance(emb, Int4Embedding):
+                return emb.project(h)
+            return h @ emb.weight.t()
         return self.lm_head(h)
 
     def forward(

@@ -204,6 +204,9 @@ def sanitize(cfg: Config, key: str) -> str | None:
     return None if any(key.startswith(f"model.layers.{i}.") for i in extra) else key
 
 
+# MLA reads kv_b_proj as a matrix (absorbed into the query and the output), not through its
+# forward: it stays float (models/int4.py)
+NOT_INT4 = ("kv_b_proj",)
 KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # as transformers does
 LORA_TARGETS = tuple(
     f"self_attn.{p}" for p in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")

@@ -181,21 +181,23 @@ class Prerouter(nn.Module):
 class StackedHeads:
     """Every head's weights stacked, so one flush evaluates all heads with three bmm calls.
 
-    Weights are the fp16 values of the file; on CPUs without fast fp16 they are held in fp32
-    (same values, exact upcast). On CUDA they stay fp16.
+    Weights are the fp16 values of the file, held at the compute dtype like every float weight
+    of the floor (fp32 by default: exact upcast; bf16 with --dtype bfloat16). On CUDA they stay
+    fp16.
     """
 
     @staticmethod
-    def dtype_on(device: torch.device | str) -> torch.dtype:
-        return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+    def dtype_on(device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.dtype:
+        return torch.float16 if torch.device(device).type == "cuda" else dtype
 
-    @classmethod
-    def nbytes(cls, pre: Prerouter, device: torch.device | str = "cpu") -> int:
-        """Memory the stacked heads of `pre` take on `device`."""
-        return sum(p.numel() for p in pre.parameters()) * cls.dtype_on(device).itemsize
-
-    def __init__(self, pre: Prerouter, owners: list[int], device: torch.device | str = "cpu"):
-        dtype = self.dtype_on(device)
+    def __init__(
+        self,
+        pre: Prerouter,
+        owners: list[int],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        dtype = self.dtype_on(device, dtype)
         heads = [pre.head(o) for o in owners]
 
         def stack(name):
@@ -205,6 +207,10 @@ class StackedHeads:
 
         self.w1, self.w2, self.w0 = stack("fc1"), stack("fc2"), stack("linear_init")
         self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in (self.w1, self.w2, self.w0))
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -59,12 +59,18 @@ class PrerouterRuntime:
     """What every request shares: the stacked heads, their thread, the wiring, the counters.
     A request's own prediction state is a PrerouterState (`new_state`)."""
 
-    def __init__(self, prerouter: Prerouter, model, pool: ExpertPool | None):
+    def __init__(
+        self,
+        prerouter: Prerouter,
+        model,
+        pool: ExpertPool | None,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.wiring = prerouter.wiring
         self.owners = self.wiring.owners
         self.consumers = self.wiring.consumers
         self.row = {o: i for i, o in enumerate(self.owners)}
-        self.heads = StackedHeads(prerouter, self.owners)
+        self.heads = StackedHeads(prerouter, self.owners, dtype=dtype)
         self.blocks = {c: model.moe_block(c) for c in self.consumers}
         self.num_experts = prerouter.num_experts
         self.pool = pool

@@ -89,9 +89,18 @@ def legacy_logprobs(strings: TokenStrings, entries: list[TokenLogprob], offset: 
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{strings.text(t): v for t, v in e.top} for e in entries],
+        "top_logprobs": [_by_text(strings, e.top) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _by_text(strings: TokenStrings, top: list[tuple[int, float]]) -> dict[str, float]:
+    """The legacy {text: logprob} map. Tokens that decode to the same text (bytes of one
+    character each shown as U+FFFD) share a key: it keeps the most likely one's logprob."""
+    out: dict[str, float] = {}
+    for t, v in top:  # best first
+        out.setdefault(strings.text(t), v)
+    return out
 
 
 def _is_byte_level(tokenizer: PreTrainedTokenizerBase) -> bool:
