@@ -323,6 +323,8 @@ def summarize(runs: list[dict], caps: list[tuple[str, int | None]], engines: lis
                     "peak_file_bytes": peak("peak_file_bytes"),
                     "cgroup_max_usage_bytes": max(usage) if usage else None,
                     "load_s": median("load_s"),
+                    "cpu_busy": median("cpu_busy"),
+                    "loadavg_1min_before": median("loadavg_1min_before"),
                     "edge0_pool_bytes": ran[0].get("pool_bytes") if ran else None,
                 }
             )
@@ -337,8 +339,8 @@ def report(s: dict) -> str:
         f"{memory.format_bytes(s['models']['expert_int4_bytes'])}, Q4_0 GGUF "
         f"{memory.format_bytes(s['models']['gguf_bytes'])}; RANDOM WEIGHTS (speed and memory)",
         "| cap | engine | tok/s (median) | rounds | read/token | peak anon | peak file "
-        "| cgroup max | edge0 pool |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| cgroup max | edge0 pool | cores busy | load before |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(n: float | None) -> str:
@@ -349,12 +351,13 @@ def report(s: dict) -> str:
         usage = row["cgroup_max_usage_bytes"]
         pool = row["edge0_pool_bytes"]
         if row["decode_tok_s"] is None:
-            lines.append(f"| {cap} | {row['engine']} | OOM-killed under the cap | | | | | | |")
+            lines.append(f"| {cap} | {row['engine']} | OOM-killed under the cap |" + " |" * 8)
             continue
         lines.append(
             f"| {cap} | {row['engine']} | {row['decode_tok_s']:.2f} | "
             f"{', '.join(f'{t:.2f}' for t in row['decode_tok_s_rounds'])} | "
             f"{fmt(row['read_bytes_per_token'])} | {fmt(row['peak_anon_bytes'])} | "
-            f"{fmt(row['peak_file_bytes'])} | {fmt(usage)} | {fmt(pool)} |"
+            f"{fmt(row['peak_file_bytes'])} | {fmt(usage)} | {fmt(pool)} | "
+            f"{row['cpu_busy']:.2f} | {row['loadavg_1min_before']:.1f} |"
         )
     return "\n".join(lines)

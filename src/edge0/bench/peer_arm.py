@@ -10,12 +10,14 @@ llama.cpp process never loads torch.
 Instruments, all cheap next to a decode step (STYLE 13): a thread reads /proc/self/status
 (RssAnon, RssFile; ~0.02 ms a read) every `sample_ms` and keeps the peaks; /proc/self/io
 read_bytes (block-device bytes read by every thread of the process, page faults and
-O_DIRECT alike) is read around the timed steps.
+O_DIRECT alike) and the process's CPU time are read around the timed steps, with the load
+average before them: on a small shared machine a crowded run is visible as such.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -169,12 +171,12 @@ def run(spec: dict) -> dict:
         prefill_s = time.perf_counter() - t0
         for _ in range(spec["warmup"]):
             next(steps)
-        read0 = read_bytes()
+        read0, cpu0, load0 = read_bytes(), os.times(), os.getloadavg()[0]
         for _ in range(spec["tokens"]):
             t = time.perf_counter()
             next(steps)
             times.append(time.perf_counter() - t)
-        read1 = read_bytes()
+        read1, cpu1 = read_bytes(), os.times()
         sampled_s = time.perf_counter() - t0
     steps.close()
     decode_s = sum(times)
@@ -187,6 +189,10 @@ def run(spec: dict) -> dict:
         "decode_tok_s": len(times) / decode_s,
         "step_ms": sorted(1e3 * t for t in times),
         "read_bytes_per_token": (read1 - read0) / len(times),
+        # cores this process kept busy while timed (2.0 = both of 2 threads, all the time);
+        # far below its threads with a loadavg above the core count means it was crowded out
+        "cpu_busy": (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / decode_s,
+        "loadavg_1min_before": load0,
         "peak_anon_bytes": peaks.peak_anon,
         "peak_file_bytes": peaks.peak_file,
         "vm_hwm_bytes": status_bytes(("VmHWM",))["VmHWM"],

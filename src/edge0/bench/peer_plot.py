@@ -75,7 +75,7 @@ def plot(summary: dict, path: Path) -> Path:
     cpu = summary.get("machine", {}).get("cpu", "")
     for ax in (ax1, ax2, ax3):
         ax.set_xticks(x, ticks)
-        ax.set_xlabel("cgroup memory cap (fraction of the int4 experts)")
+        ax.set_xlabel("cgroup memory cap (as given: a fraction of the int4 experts, or a size)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"edge0 vs llama.cpp (Q4_0, mmap), random Qwen3-MoE: {shape}; {cpu}", fontsize=10)
