@@ -42,7 +42,7 @@ def series(summary: dict) -> dict[str, dict[str, list[float | None]]]:
 
 
 def plot(summary: dict, path: Path) -> Path:
-    """Write the three-panel PNG to path; needs matplotlib (the peer extra)."""
+    """Write the four-panel PNG to path; needs matplotlib (the peer extra)."""
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no display
 
     labels = cap_labels(summary)
@@ -50,22 +50,24 @@ def plot(summary: dict, path: Path) -> Path:
     ticks = [lb if by_label[lb] is None else f"{lb}\n{by_label[lb] / GIB:.2f} GiB" for lb in labels]
     x = list(range(len(labels)))
     data = series(summary)
-    fig = Figure(figsize=(15, 4.6))
-    ax1, ax2, ax3 = fig.subplots(1, 3)
+    fig = Figure(figsize=(12, 8.5))
+    (ax1, ax2), (ax3, ax4) = fig.subplots(2, 2)
     for engine, s in data.items():
         s = {k: [float("nan") if v is None else v for v in vs] for k, vs in s.items()}
         (line,) = ax1.plot(x, s["tok_s"], marker="o", label=engine)
         for i in (i for i, k in enumerate(s["killed"]) if k):
             ax1.annotate(
-                f"{engine}\nOOM-killed", (i, 0.02), xycoords=("data", "axes fraction"),
-                color=line.get_color(), fontsize=7, ha="center",
+                f"{engine}\nOOM-killed", (i, 0.5), xycoords=("data", "axes fraction"),
+                color=line.get_color(), fontsize=8, ha="center",
             )  # fmt: skip
-        ax2.plot(x, s["anon_gib"], marker="o", color=line.get_color(), label=f"{engine} anon")
-        ax2.plot(x, s["file_gib"], marker="s", ls="--", color=line.get_color(), label="  file")
-        ax3.plot(x, s["read_mib"], marker="o", color=line.get_color(), label=engine)
-    ax1.set(ylabel="decode tok/s (median)", title="decode speed", yscale="log")
-    ax2.set(ylabel="GiB", title="peak resident memory: anon (solid), file (dashed)")
-    ax3.set(ylabel="MiB read from disk per token", title="reads", yscale="symlog")
+        for ax, key in ((ax2, "read_mib"), (ax3, "anon_gib"), (ax4, "file_gib")):
+            ax.plot(x, s[key], marker="o", color=line.get_color(), label=engine)
+    ax1.set(ylabel="tok/s (median)", title="decode speed", yscale="log")
+    ax2.set(ylabel="MiB per token", title="read from disk while decoding", yscale="symlog")
+    ax3.set(ylabel="GiB", title="peak anonymous memory (RssAnon)")
+    ax4.set(ylabel="GiB", title="peak file-backed memory (RssFile)")
+    ax3.set_ylim(bottom=0)
+    ax4.set_ylim(bottom=0)
     m = summary.get("models", {}).get("config", {})
     shape = (
         f"{m.get('num_hidden_layers')} layers, d={m.get('hidden_size')}, "
@@ -73,9 +75,9 @@ def plot(summary: dict, path: Path) -> Path:
         f"top-{m.get('num_experts_per_tok')}"
     )
     cpu = summary.get("machine", {}).get("cpu", "")
-    for ax in (ax1, ax2, ax3):
+    for ax in (ax1, ax2, ax3, ax4):
         ax.set_xticks(x, ticks)
-        ax.set_xlabel("cgroup memory cap (as given: a fraction of the int4 experts, or a size)")
+        ax.set_xlabel("cgroup memory cap")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"edge0 vs llama.cpp (Q4_0, mmap), random Qwen3-MoE: {shape}; {cpu}", fontsize=10)
