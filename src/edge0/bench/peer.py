@@ -66,7 +66,6 @@ class Models:
     edge0: Path
     gguf: Path
     expert_bytes: int  # edge0's int4 extents, what the caps are fractions of
-    model_type: str
 
 
 def parse_shape(text: str, base: Shape = BENCH_SHAPE) -> Shape:
@@ -142,7 +141,6 @@ def prepare(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> Models:
                 raise FileExistsError(f"{hf_dir} is an unfinished synth; delete it and rerun")
             synth(hf_dir, cfg.shape, fmt="hf", seed=cfg.seed)
     hf_dir = Path(hf_dir)
-    config = json.loads((hf_dir / "config.json").read_text())
     e0 = work / f"{hf_dir.name}.edge0"
     if not (e0 / modeldir.MANIFEST).is_file():
         convert(hf_dir, e0, force=True)
@@ -151,7 +149,7 @@ def prepare(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> Models:
         peer_gguf.make_gguf(hf_dir, gguf, work, cfg.llama_cpp_src, cfg.threads)
     table, extent, _ = read_table(e0 / EXPERTS_FILE)
     expert_bytes = sum(t.count for t in table.values()) * extent
-    return Models(hf_dir, e0, gguf, expert_bytes, config.get("model_type", ""))
+    return Models(hf_dir, e0, gguf, expert_bytes)
 
 
 def floor_estimate(edge0_dir: Path) -> int:
@@ -251,10 +249,12 @@ def run_peer(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> dict:
                     drop_page_cache([models.gguf] if llama else [models.edge0])
                     runs.append(run_one(spec, cap, Path(tmp)))
     summary = summarize(runs, caps, engines)
+    # ggml's own view of the CPU (AVX-512, VNNI, repack...), next to the kernels torch uses
+    ggml = next((r["llama_system_info"] for r in runs if "llama_system_info" in r), None)
     summary.update(
         peer=cfg.peer,
         llama_cpp_python=version,
-        machine=machine(),
+        machine={**machine(), "llama_cpp_system_info": ggml},
         models={
             "hf": str(models.hf),
             "edge0": str(models.edge0),
