@@ -677,8 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument(
         "--runtime-reserve",
         type=memory.parse_size,
-        default=memory.parse_size("512M"),
-        help="edge0's --memory-budget is the cap less this (default 512M)",
+        default=memory.parse_size("384M"),
+        help="edge0's --memory-budget is the cap less this (default 384M)",
     )
     pg.add_argument(
         "--llama-cpp-src",

@@ -51,9 +51,11 @@ class PeerConfig:
     io_mode: str = "direct"
     temperature: float = 0.7  # edge0 generate's default
     seed: int = 0
-    # edge0's budget is the cap less this: Python, torch, the tokenizer and malloc's heap
-    # (0.36 GiB after load on the 2048-wide synth model, docs/prerouter.md) are not in it
-    runtime_reserve: int = 512 << 20
+    # edge0's budget is the cap less this: Python, torch, the tokenizer and malloc's heap are
+    # not in it. Measured on the bench shape under a 1/3 cap: 254 MB of anonymous memory
+    # beyond floor + pool, 107 MB file-backed (the libraries); 512 MiB left the pool 94 MB,
+    # fewer slots than one token routes (24 layers x 8), and every expert was read again.
+    runtime_reserve: int = 384 << 20
     prerouter: Path | None = None  # adds an edge0-prerouter run (default: the model dir's)
     llama_cpp_src: Path | None = None  # llama-cpp-python sdist, see peer_gguf.converter_dir
     sample_ms: float = 20.0  # memory sampler interval
