@@ -31,7 +31,15 @@ from edge0.store.expert_file import IO_MODES
 
 log = logging.getLogger("edge0")
 
-USER_ERRORS = (FileNotFoundError, NotADirectoryError, FileExistsError, ValueError, KeyError)
+# ImportError: an optional extra that is not installed (its message names the install)
+USER_ERRORS = (
+    FileNotFoundError,
+    NotADirectoryError,
+    FileExistsError,
+    ValueError,
+    KeyError,
+    ImportError,
+)
 
 # -- commands ---------------------------------------------------------------------------------
 
@@ -106,6 +114,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.keep:
             scratch.unlink(missing_ok=True)
         return 0
+    if args.peer:
+        return bench_peer(args)
     from edge0.bench.ab import BenchConfig, report, run_bench
 
     model_dir = args.model_dir or default_model_dir()
@@ -127,6 +137,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(report(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def bench_peer(args: argparse.Namespace) -> int:
+    from edge0.bench import peer, peer_plot
+
+    if args.top_k is not None:
+        raise ValueError(
+            "--top-k: the peer bench runs both engines at the model's native top-k; "
+            "write a model with another one with --shape top_k=K"
+        )
+    cfg = peer.PeerConfig(
+        peer=args.peer,
+        caps=tuple(args.caps.split(",")),
+        tokens=args.tokens,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        threads=args.threads or 2,
+        io_mode=args.io_mode,
+        runtime_reserve=args.runtime_reserve,
+        prerouter=args.prerouter,
+        llama_cpp_src=args.llama_cpp_src,
+        shape=peer.parse_shape(args.shape),
+    )
+    summary = peer.run_peer(args.work, args.model_dir, cfg)
+    print(peer.report(summary))
+    out = args.json or args.work / "peer.json"
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    png = peer_plot.plot(summary, out.with_suffix(".png"))
+    print(f"wrote {out} and {png}")
     return 0
 
 
@@ -310,6 +350,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="scratch file size for --io (default 2G)",
     )
     b.add_argument("--keep", action="store_true", help="keep the --io scratch file")
+    pg = b.add_argument_group(
+        "peer", "edge0 bench --peer llama.cpp [HF_DIR]: side by side with llama.cpp (docs/peer.md)"
+    )
+    pg.add_argument("--peer", choices=("llama.cpp",), default=None, help="the other engine")
+    pg.add_argument(
+        "--work",
+        type=Path,
+        default=Path("build/peer"),
+        help="models (synthesised, converted) and results (default build/peer)",
+    )
+    pg.add_argument(
+        "--caps",
+        default="none,2/3,1/3",
+        help="cgroup caps: none, fractions of the int4 experts, or sizes (default none,2/3,1/3)",
+    )
+    pg.add_argument(
+        "--shape",
+        default="",
+        help="synth shape when no HF_DIR is given, e.g. layers=8 (default: issue 14's: "
+        "layers=24,hidden=1024,experts=128,expert_width=512,top_k=8,vocab=512)",
+    )
+    pg.add_argument(
+        "--runtime-reserve",
+        type=memory.parse_size,
+        default=memory.parse_size("384M"),
+        help="edge0's --memory-budget is the cap less this (default 384M)",
+    )
+    pg.add_argument(
+        "--llama-cpp-src",
+        type=Path,
+        default=None,
+        help="llama-cpp-python sdist or tree holding convert_hf_to_gguf.py "
+        "(default ~/.cache/edge0/llama_cpp_python-VERSION.tar.gz)",
+    )
     b.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     b.set_defaults(func=cmd_bench)
     return p
