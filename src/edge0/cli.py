@@ -27,6 +27,7 @@ from edge0.cli_args import (
 from edge0.cli_train import add_eval_parser, add_train_parsers
 from edge0.int4_layout import LAYOUTS
 from edge0.options import DEFAULT_IO_MODE
+from edge0.plan import RUNTIME_RESERVE
 from edge0.store.expert_file import IO_MODES
 
 log = logging.getLogger("edge0")
@@ -374,8 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument(
         "--runtime-reserve",
         type=memory.parse_size,
-        default=memory.parse_size("384M"),
-        help="edge0's --memory-budget is the cap less this (default 384M)",
+        default=RUNTIME_RESERVE,
+        help="edge0's --memory-budget is the cap less this (default: the serving plan's "
+        f"{RUNTIME_RESERVE >> 20}M)",
     )
     pg.add_argument(
         "--llama-cpp-src",

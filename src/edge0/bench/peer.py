@@ -27,6 +27,8 @@ from pathlib import Path
 from edge0 import cgroup, memory, modeldir
 from edge0.bench import peer_gguf
 from edge0.bench.peer_arm import ENGINES
+from edge0.options import EngineOptions
+from edge0.plan import RUNTIME_RESERVE, plan_for_dir
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
 from edge0.synth import Shape
@@ -55,7 +57,7 @@ class PeerConfig:
     # not in it. Measured on the bench shape under a 1/3 cap: 254 MB of anonymous memory
     # beyond floor + pool, 107 MB file-backed (the libraries); 512 MiB left the pool 94 MB,
     # fewer slots than one token routes (24 layers x 8), and every expert was read again.
-    runtime_reserve: int = 384 << 20
+    runtime_reserve: int = RUNTIME_RESERVE
     prerouter: Path | None = None  # adds an edge0-prerouter run (default: the model dir's)
     llama_cpp_src: Path | None = None  # llama-cpp-python sdist, see peer_gguf.converter_dir
     sample_ms: float = 20.0  # memory sampler interval
@@ -154,14 +156,6 @@ def prepare(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> Models:
     return Models(hf_dir, e0, gguf, expert_bytes)
 
 
-def floor_estimate(edge0_dir: Path) -> int:
-    """Resident weights in memory (bf16 on disk, fp32 served, as edge0.bench.ab estimates)
-    plus the smallest expert pool: one token's experts of one layer."""
-    manifest = modeldir.Manifest.load(edge0_dir)
-    extent = manifest.layout().nbytes
-    return 2 * (edge0_dir / modeldir.RESIDENT_FILE).stat().st_size + manifest.native_top_k * extent
-
-
 def drop_page_cache(paths: list[Path]) -> None:
     """Evict these files' pages (written back first), so the next run starts cold."""
     files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.iterdir()))]
@@ -210,19 +204,28 @@ def run_peer(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> dict:
     caps = resolve_caps(cfg.caps, models.expert_bytes)
     if any(c is not None for _, c in caps) and not cgroup.available():
         raise PermissionError("memory caps need root and cgroup v1 (/sys/fs/cgroup/memory)")
-    floor = floor_estimate(models.edge0)
-    for label, cap in caps:
-        if cap is not None and cap - cfg.runtime_reserve < floor:
-            raise ValueError(
-                f"cap {label} ({memory.format_bytes(cap)}) less the runtime reserve of "
-                f"{memory.format_bytes(cfg.runtime_reserve)} is below edge0's resident floor "
-                f"(about {memory.format_bytes(floor)}): raise the cap or lower the reserve"
-            )
     engines = engines_for(models.edge0, cfg.prerouter)
     from edge0.tokenizer import load_tokenizer
 
     prompt = load_tokenizer(models.edge0).encode(PROMPT)
     n_ctx = 64 * -(-(len(prompt) + cfg.warmup + cfg.tokens + 2) // 64)
+    for label, cap in caps:  # the serving plan refuses a cap too small, naming what is missing
+        for engine in engines:
+            if cap is None or not engine.startswith("edge0"):
+                continue
+            opts = EngineOptions(
+                memory_budget=cap - cfg.runtime_reserve,
+                max_context=n_ctx,
+                prerouter=cfg.prerouter,
+                no_prerouter=engine == "edge0-ondemand",
+            )
+            try:
+                plan_for_dir(models.edge0, opts)
+            except ValueError as e:
+                raise ValueError(
+                    f"cap {label} ({memory.format_bytes(cap)}) less the runtime reserve of "
+                    f"{memory.format_bytes(cfg.runtime_reserve)}, {engine}: {e}"
+                ) from e
     runs = []
     with tempfile.TemporaryDirectory(prefix="edge0-peer-") as tmp:
         for r in range(cfg.rounds):

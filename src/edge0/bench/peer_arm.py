@@ -87,7 +87,7 @@ def edge0_steps(spec: dict):
     """Load edge0 and yield once after prefill, then once per decode step."""
     import torch
 
-    from edge0.engine import Engine, EngineOptions
+    from edge0.engine import EngineOptions, load_engine
     from edge0.sampling import Sampler, SamplingParams
 
     torch.set_num_threads(spec["threads"])
@@ -99,15 +99,15 @@ def edge0_steps(spec: dict):
         prerouter=Path(spec["prerouter"]) if spec["prerouter"] else None,
         no_prerouter=spec["engine"] == "edge0-ondemand",
     )
-    engine = Engine(spec["model"], opts)
+    engine = load_engine(spec["model"], opts)
     try:
         sampler = Sampler(SamplingParams(temperature=spec["temperature"], seed=spec["seed"]))
-        yield {"pool_bytes": engine.pool.capacity_bytes, "floor_bytes": engine.floor_bytes}
-        with torch.inference_mode():
-            logits = engine.prefill(spec["prompt"])
+        yield {"pool_bytes": engine.plan.pool_bytes, "floor_bytes": engine.plan.floor.total}
+        with engine.new_request() as req:
+            logits = engine.prefill(req, spec["prompt"])
             yield None
             while True:
-                logits = engine.step(sampler(logits))
+                logits = engine.step(req, sampler(logits))
                 yield None
     finally:
         engine.close()
