@@ -38,10 +38,11 @@ def test_fp32_parity_with_transformers(tmp_path, case):
 
 
 @pytest.mark.int4
+@pytest.mark.parametrize("resident", ["int4", "bf16"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_int4_engine_matches_transformers_on_dequantized_weights(tmp_path, family):
+def test_int4_engine_matches_transformers_on_dequantized_weights(tmp_path, family, resident):
     path = make_hf_model(tmp_path / "hf", family=family, scale=4.0)
-    convert(path, tmp_path / "e0", progress=False)
+    convert(path, tmp_path / "e0", progress=False, resident=resident)
     # transformers runs exactly the weights we serve: bf16 resident + dequantized int4 experts
     _, deq = load_edge0_model(tmp_path / "e0", experts="dequantized")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

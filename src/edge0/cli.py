@@ -183,6 +183,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         tokenizer_dir=args.tokenizer,
         seed=args.seed,
         progress=not args.quiet,
+        resident=args.resident,
     )
     print(
         f"wrote {out}: a RANDOM-WEIGHT qwen3_moe ({args.format} format) for speed and memory "
@@ -296,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s.add_argument("out_dir", type=Path)
     s.add_argument("--format", choices=("edge0", "hf"), default="edge0")
+    s.add_argument(
+        "--resident",
+        choices=("int4", "bf16"),
+        default="int4",
+        help="edge0 format: resident projections and embeddings as int4 (default) or bf16",
+    )
     s.add_argument("--layers", type=int, default=8)
     s.add_argument("--hidden", type=int, default=1024)
     s.add_argument("--heads", type=int, default=16)

@@ -19,7 +19,9 @@ from tqdm import tqdm
 
 from edge0 import int4_layout, modeldir
 from edge0.checkpoint import sha256_file
-from edge0.models import qwen3_moe
+from edge0.loader import build
+from edge0.models import int4, qwen3_moe
+from edge0.models.experts import ExpertSlot
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import LAYOUT_KEY, tensor_name
 from edge0.store.extents import ExtentLayout
@@ -112,6 +114,7 @@ def synth(
     tokenizer_dir: Path | None = None,
     seed: int = 0,
     progress: bool = True,
+    resident: str = "int4",
 ) -> Path:
     if fmt not in ("edge0", "hf"):
         raise ValueError(f"--format must be edge0 or hf, not {fmt!r}")
@@ -128,13 +131,36 @@ def synth(
         _write_hf(out, cfg, gen, progress)
         return out
     specs = _resident_specs(cfg)
+    as_int4 = set()
+    if resident == "int4":  # what convert stores as int4 (models/int4.py)
+        model = build(qwen3_moe, qwen3_moe.Config.from_dict(cfg), ExpertSlot)
+        as_int4 = int4.int4_weights(model)
+    declared = []
+    for name, s in specs:
+        if name in as_int4:
+            module, groups = name.removesuffix(".weight"), (s[0], s[1] // 64)
+            declared += [
+                (name, torch.uint32, (s[0], s[1] // 8)),
+                (f"{module}.scales", torch.bfloat16, groups),
+                (f"{module}.biases", torch.bfloat16, groups),
+            ]
+        else:
+            declared.append((name, torch.bfloat16, s))
     w = StreamingSafetensors(
         out / modeldir.RESIDENT_FILE,
-        [(n, torch.bfloat16, s) for n, s in specs],
+        declared,
         metadata={"format": "pt", "edge0": "resident", "random_weights": "true"},
     )
     for name, s in specs:
-        w.write(name, _random(name, s, gen))
+        value = _random(name, s, gen)
+        if name in as_int4:
+            module = name.removesuffix(".weight")
+            for suffix, t in zip(
+                (".weight", ".scales", ".biases"), int4.quantize(value), strict=True
+            ):
+                w.write(module + suffix, t)
+        else:
+            w.write(name, value)
     w.close()
     ew = StreamingSafetensors(
         out / EXPERTS_FILE,
@@ -165,6 +191,7 @@ def synth(
         native_top_k=shape.top_k,
         layers=table,
         source={"random_weights": True, "seed": seed},
+        resident=resident,
     )
     manifest.files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
     manifest.save(out)
