@@ -2,7 +2,8 @@
 
 Bad input gives a 4xx that names the field (never a 500 that drops the connection), a long
 prompt does not stall other clients, a request without max_tokens is capped, seeds use all
-their bits, logprobs end where the text ends, and every response is counted.
+their bits, logprobs end where the text ends, every response is counted, and SIGTERM ends
+every request with an answer or an OpenAI-shaped error, then exits 0 (a real `edge0 serve`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import dataclasses
 import http.client
 import json
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -386,3 +392,124 @@ def test_a_request_no_longer_counts_as_running_when_its_end_is_heard(engine):
     finally:
         worker.stop()
     assert depths == [0, 0, 0]
+
+
+# -- 2. SIGTERM: every client gets its answer or an error, and the process exits 0 -------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`edge0 serve` on the test model, in its own process."""
+
+    def __init__(self, model_dir: Path, *flags: str):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "edge0", "serve", str(model_dir), "--port", str(self.port)]
+        argv += ["--threads", "1", "--max-context", "512", "--queue-size", "4", *flags]
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
+        )
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, self.proc.communicate()[0]
+            assert time.monotonic() < deadline, "edge0 serve did not start"
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+
+    def depth(self) -> int:
+        return httpx.get(f"{self.base}/health", timeout=5).json()["queue_depth"]
+
+    def finish(self) -> tuple[int, str]:
+        """Its exit code and output, once it has exited (killed if not within 30 s)."""
+        try:
+            out, _ = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out = self.proc.communicate()[0]
+            pytest.fail(f"edge0 serve did not exit:\n{out}")
+        return self.proc.returncode, out
+
+
+def sse_events(base: str, path: str, body: dict, started: threading.Event | None = None):
+    """All `data:` payloads of a stream, parsed (the client reads to the end); `started` is
+    set once some text has arrived."""
+    events = []
+    with httpx.stream("POST", f"{base}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                if started is not None and has_text(events[-1]):
+                    started.set()
+    return events
+
+
+def has_text(event) -> bool:
+    choices = event.get("choices") if isinstance(event, dict) else None
+    return bool(choices and (choices[0].get("delta", {}).get("content") or choices[0].get("text")))
+
+
+def ends_with_shutting_down(events: list) -> bool:
+    if len(events) < 2 or events[-1] != "[DONE]":
+        return False
+    err = events[-2].get("error") or {}
+    return err.get("code") == "shutting_down" and err.get("type") == "server_error"
+
+
+@pytest.mark.slow
+def test_sigterm_cuts_the_running_request_and_refuses_the_queued_ones(model_dir):
+    server = ServeProcess(model_dir, "--shutdown-grace", "0.5")
+    long = {"messages": USER, "max_tokens": 480, "temperature": 0, "stream": True}
+    started = threading.Event()
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            running = pool.submit(sse_events, server.base, CHAT, long, started)
+            assert started.wait(60)
+            whole = pool.submit(post, server.base, CHAT, {**GOOD, "max_tokens": 4})
+            stream = pool.submit(
+                sse_events, server.base, "/v1/completions", {"prompt": "x", "stream": True}
+            )
+            wait_for(lambda: server.depth() == 3, timeout=30)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            err = assert_error_shape(whole.result(timeout=30), 503)
+            assert err["code"] == "shutting_down" and time.monotonic() - t0 < 1.5
+            assert ends_with_shutting_down(stream.result(timeout=30))
+            events = running.result(timeout=30)
+        assert ends_with_shutting_down(events)
+        assert any(has_text(e) for e in events[:-2])  # it was cut, after some text
+    finally:
+        code, out = server.finish()
+    assert code == 0, out
+    assert "stopped serving" in out and "Traceback" not in out  # the engine was closed
+
+
+@pytest.mark.slow
+def test_sigterm_lets_the_running_request_finish(model_dir):
+    server = ServeProcess(model_dir, "--shutdown-grace", "60")
+    body = {"messages": USER, "max_tokens": 150, "temperature": 0, "stream": True}
+    started = threading.Event()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(sse_events, server.base, CHAT, body, started)
+            assert started.wait(60)
+            queued = pool.submit(post, server.base, CHAT, {**GOOD, "max_tokens": 4})
+            wait_for(lambda: server.depth() == 2, timeout=30)
+            server.proc.send_signal(signal.SIGTERM)
+            assert_error_shape(queued.result(timeout=30), 503)
+            assert not running.done()  # refused at once, while the running one goes on
+            events = running.result(timeout=60)
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+    finally:
+        code, out = server.finish()
+    assert code == 0, out
+    assert "stopped serving" in out
