@@ -12,6 +12,8 @@ import os
 import pty
 import re
 import select
+import signal
+import sys
 import termios
 import threading
 import time
@@ -19,7 +21,7 @@ import time
 import pytest
 import torch
 
-from edge0.chat import ChatSession, add_chat_parser, cmd_chat
+from edge0.chat import ChatSession, add_chat_parser, cmd_chat, repl
 from edge0.engine import EngineOptions, load_engine
 from edge0.sampling import SamplingParams
 from test_server import ScriptedEngine, make_chat_model
@@ -169,3 +171,115 @@ def test_history_keeps_answers_without_their_thinking(session):
     chat.reply("more", io.StringIO())
     history = fake.tokenizer.decode(fake.prompts[-1])
     assert "The answer." in history and "plan it" not in history
+
+
+def test_stats_are_not_reprinted_after_an_error(model_dir):
+    term = Terminal([str(model_dir), *ARGS, "--stats"])
+    try:
+        term.read_until(">>> ")
+        answered = term.send("hello")
+        refused = term.send("def add(a, b): return a + b " * 80)
+    finally:
+        os.write(term.master, b"/exit\n")  # (a REPL left reading would block close())
+        code = term.close()
+    assert "tok/s" in answered  # --stats: after every answer
+    assert "error:" in refused and "context window" in refused
+    assert "tok/s" not in refused  # the last stats belong to the answer before
+    assert code == 0
+
+
+def typed(*lines: str):
+    """A line reader for repl(): these lines, then end of input."""
+    rest = iter(lines)
+
+    def read() -> str:
+        line = next(rest, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    return read
+
+
+def test_an_answer_cut_to_the_context_says_so(session):
+    fake = ScriptedEngine(session.engine)
+    fake.script = "Ünïcödé ✓ 日本語 テキスト " * 100  # more than the 512-token window holds
+    chat = ChatSession(fake, SamplingParams(temperature=0), max_tokens=2000)  # the engine: 512
+    out = io.StringIO()
+    assert repl(chat, typed("hello"), out) == 0
+    assert "the answer was cut" in out.getvalue() and "512 tokens" in out.getvalue()
+    short = ChatSession(fake, SamplingParams(temperature=0), max_tokens=5)
+    out = io.StringIO()
+    repl(short, typed("hello"), out)
+    assert "cut" not in out.getvalue()  # --max-tokens ending it is what the user asked for
+
+
+class ChatProcess:
+    """`edge0 chat` in its own process on a pseudo-terminal that is its controlling terminal,
+    so readline runs and Ctrl-C typed there is a real SIGINT."""
+
+    def __init__(self, argv: list[str]):
+        self.pid, self.master = pty.fork()
+        if self.pid == 0:  # the child: exec at once
+            env = {**os.environ, "TERM": "xterm"}
+            os.execve(sys.executable, [sys.executable, "-m", "edge0", "chat", *argv], env)
+        self.buffer = b""
+
+    def read_until(self, marker: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        want = marker.encode()
+        while want not in self.buffer:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {marker!r} in {self.buffer!r}"
+            ready, _, _ = select.select([self.master], [], [], min(left, 0.5))
+            if ready:
+                try:
+                    self.buffer += os.read(self.master, 4096)
+                except OSError:  # the child exited: its side of the terminal is gone
+                    assert want in self.buffer, f"no {marker!r} in {self.buffer!r}"
+        head, _, self.buffer = self.buffer.partition(want)
+        return head.decode(errors="replace")
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def wait(self, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                os.close(self.master)
+                return os.waitstatus_to_exitcode(status)
+            try:  # keep draining, or the child may block writing
+                if select.select([self.master], [], [], 0.1)[0]:
+                    self.buffer += os.read(self.master, 4096)
+            except OSError:
+                time.sleep(0.05)
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        pytest.fail(f"edge0 chat did not exit: {self.buffer!r}")
+
+
+@pytest.mark.slow
+def test_the_prompt_has_history_and_survives_ctrl_c(model_dir):
+    chat = ChatProcess([str(model_dir), *ARGS])
+    try:
+        chat.read_until(">>> ")
+        chat.type("/stats\r")
+        chat.read_until("conversation: 0 turns")
+        chat.read_until(">>> ")
+        chat.type("\x1b[A\r")  # up arrow: /stats again, from the history
+        chat.read_until("conversation: 0 turns")
+        chat.read_until(">>> ")
+        chat.type("hello\r")
+        chat.read_until(">>> ")
+        chat.type("half a line\x03")  # Ctrl-C at the prompt: the line goes, the chat stays
+        chat.read_until("/exit or Ctrl-D")
+        chat.read_until(">>> ")
+        chat.type("/stats\r")
+        chat.read_until("conversation: 1 turns")
+        chat.read_until(">>> ")
+        chat.type("/exit\r")
+    finally:
+        code = chat.wait()
+    assert code == 0

@@ -46,7 +46,7 @@ def make_chat_model(root: Path) -> Path:
         (hf / name).unlink(missing_ok=True)
     train_bpe([TEXT], 384, hf)
     out = root / "e0"
-    convert(hf, out, progress=False)
+    convert(hf, out, progress=False, resident="bf16")  # the texts these tests were written on
     return out
 
 
@@ -402,16 +402,16 @@ BAD_CHAT = [
     ({**GOOD, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ({**GOOD, "temperature": "hot"}, 400, "temperature"),
     ({**GOOD, "temperature": 9}, 400, "temperature"),
-    ({**GOOD, "top_p": 0}, 400, "top_p"),
+    ({**GOOD, "top_p": -0.1}, 400, "top_p"),  # (0 is greedy, as in the OpenAI API)
     ({**GOOD, "stream": "yes"}, 400, "stream"),
     ({**GOOD, "n": 2}, 400, "n"),
     ({**GOOD, "seed": 2**70}, 400, "seed"),
     ({**GOOD, "stop": ["a", ""]}, 400, "stop"),
     ({**GOOD, "stop": [str(i) for i in range(40)]}, 400, "stop"),
-    ({**GOOD, "top_logprobs": 3}, 400, None),
+    ({**GOOD, "top_logprobs": 3}, 400, "top_logprobs"),
     ({**GOOD, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
     ({**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ({**GOOD, "tool_choice": "required"}, 400, None),
+    ({**GOOD, "tool_choice": "required"}, 400, "tool_choice"),
     ({**GOOD, "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs"),
     ({**GOOD, "chat_template_kwargs": []}, 400, "chat_template_kwargs"),
     ({**GOOD, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
@@ -463,9 +463,9 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, 2, 10**9]}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, None),
-    ({"prompt": "x", "suffix": "y"}, None),
-    ({"prompt": "x", "best_of": 3}, None),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
 ]
 
 

@@ -2,7 +2,9 @@
 
 Each turn renders the whole conversation with the model's chat template and generates from a
 fresh state (the engine resets per request; the expert cache stays warm). The history keeps
-answers without their <think> block, as Qwen templates expect.
+answers without their <think> block, as Qwen templates expect. On a terminal, lines are read
+with readline: arrow keys edit the line and walk the history, and Ctrl-C at the prompt clears
+the line instead of quitting.
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ import contextlib
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
+
+from edge0.server.limits import CHAT_MAX_TOKENS
 
 HELP = """commands:
   /reset   forget the conversation
   /stats   speed, memory and expert reads of the last answer
   /exit    leave (or Ctrl-D); Ctrl-C stops an answer"""
 PROMPT = ">>> "
+QUIT_HINT = "(to leave: /exit or Ctrl-D)"
 
 
 class ChatSession:
@@ -50,6 +56,7 @@ class ChatSession:
         self.messages: list[dict] = []
         self.last = None  # GenerationStats of the last answer
         self.last_prompt_tokens = 0
+        self.cut_to_context = False  # the last answer ran into the end of the context window
         self.interrupted = False  # set from a SIGINT handler: stop at the next token
 
     def reset(self) -> None:
@@ -80,6 +87,9 @@ class ChatSession:
                 break
         out.write(decoder.flush())
         out.flush()
+        self.cut_to_context = (
+            room < self.max_tokens and gen.finish_reason == "length" and not self.interrupted
+        )
         answer = self.engine.tokenizer.decode(gen.tokens, skip_special_tokens=True)
         if prompt.thinking:
             split = ThinkSplitter(prompt.opens_in_reasoning)
@@ -102,17 +112,34 @@ class ChatSession:
             lines.insert(0, f"last answer: {self.last.line()}")
         return "\n".join(lines)
 
+    def cut_note(self) -> str:
+        return (
+            f"[the answer was cut: the conversation filled the context window of "
+            f"{self.context} tokens; /reset to start again]"
+        )
 
-def repl(session: ChatSession, stdin: TextIO, out: TextIO, show_stats: bool = False) -> int:
-    """Read lines from `stdin` until /exit or end of input; answer each one."""
+
+def repl(
+    session: ChatSession,
+    read: Callable[[], str],
+    out: TextIO,
+    show_stats: bool = False,
+) -> int:
+    """Answer each line `read()` returns until /exit or end of input (EOFError).
+
+    A KeyboardInterrupt while reading (Ctrl-C at the prompt) drops the line, not the
+    conversation.
+    """
     out.write(f"edge0 chat with {session.engine.path.name}; /help for commands\n")
     while True:
-        out.write(PROMPT)
-        out.flush()
-        line = stdin.readline()
-        if not line:  # end of input (Ctrl-D)
+        try:
+            line = read()
+        except EOFError:  # Ctrl-D
             out.write("\n")
             return 0
+        except KeyboardInterrupt:
+            out.write(f"\n{QUIT_HINT}\n")
+            continue
         text = line.strip()
         if not text:
             continue
@@ -128,14 +155,40 @@ def repl(session: ChatSession, stdin: TextIO, out: TextIO, show_stats: bool = Fa
         elif text.startswith("/"):
             out.write(f"unknown command {text.split()[0]}; /help lists them\n")
         else:
-            try:
-                with _ctrl_c_stops(session):
-                    session.reply(text, out)
-            except ValueError as e:
-                out.write(f"error: {e}")
-            out.write("\n")
-            if show_stats and session.last is not None:
-                out.write(session.last.line() + "\n")
+            _answer(session, text, out, show_stats)
+
+
+def _answer(session: ChatSession, text: str, out: TextIO, show_stats: bool) -> None:
+    try:
+        with _ctrl_c_stops(session):
+            session.reply(text, out)
+    except ValueError as e:
+        out.write(f"error: {e}\n")
+        return  # no stats: the last ones belong to an earlier answer
+    out.write("\n")
+    if session.cut_to_context:
+        out.write(session.cut_note() + "\n")
+    if show_stats and session.last is not None:
+        out.write(session.last.line() + "\n")
+
+
+def line_reader(stdin: TextIO, out: TextIO) -> Callable[[], str]:
+    """Reads a line after the prompt: with readline (editing, history) on the process's own
+    terminal, else plainly from `stdin`."""
+    if stdin is sys.stdin and out is sys.stdout and stdin.isatty() and out.isatty():
+        import readline  # noqa: F401  (importing it gives input() line editing and history)
+
+        return lambda: input(PROMPT)
+
+    def read() -> str:
+        out.write(PROMPT)
+        out.flush()
+        line = stdin.readline()
+        if not line:
+            raise EOFError
+        return line
+
+    return read
 
 
 @contextlib.contextmanager
@@ -176,7 +229,12 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
         help="ask this and exit; text piped into stdin is appended to it",
     )
     c.add_argument("--system", default=None, help="system message")
-    c.add_argument("--max-tokens", type=int, default=512, help="per answer (default 512)")
+    c.add_argument(
+        "--max-tokens",
+        type=int,
+        default=CHAT_MAX_TOKENS,
+        help=f"per answer (default {CHAT_MAX_TOKENS})",
+    )
     thinking = c.add_mutually_exclusive_group()
     thinking.add_argument("--think", dest="thinking", action="store_true", default=None)
     thinking.add_argument("--no-think", dest="thinking", action="store_false")
@@ -202,7 +260,7 @@ def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO 
         session = ChatSession(engine, sampling_params(args), args.max_tokens, args.system, kwargs)
         interactive = stdin is not None and stdin.isatty()
         if args.prompt is None and interactive:
-            return repl(session, stdin, out, args.stats)
+            return repl(session, line_reader(stdin, out), out, args.stats)
         text = args.prompt or ""
         if stdin is not None and not interactive:  # piped in
             extra = stdin.read().strip()
@@ -211,6 +269,8 @@ def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO 
             raise ValueError("nothing to ask: pass --prompt TEXT or pipe text into stdin")
         session.reply(text.strip(), out)
         out.write("\n")
+        if session.cut_to_context:
+            print(session.cut_note(), file=sys.stderr)
         if args.stats:
             print(session.stats(), file=sys.stderr)
         return 0

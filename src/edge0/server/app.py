@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from edge0.server import errors
-from edge0.server.chat_api import chat_completions
-from edge0.server.completions_api import completions
+from edge0.server import chat_api, completions_api, errors
+from edge0.server.failsafe import Failsafe
 from edge0.server.jobs import SamplingDefaults
+from edge0.server.limits import CHAT_MAX_TOKENS
 from edge0.server.logprobs import TokenStrings
 from edge0.server.metrics import Metrics
 from edge0.server.middleware import Guard
@@ -35,7 +35,25 @@ class ServerOptions:
     api_key: str | None = None  # required on /v1 routes when set
     queue_size: int = 32  # requests that may wait behind the running one
     max_body_bytes: int = 1 << 20
-    default_max_tokens: int | None = None  # chat requests without max_tokens; None: to the end
+    # chat requests without max_tokens; None: to the end of the context
+    default_max_tokens: int | None = CHAT_MAX_TOKENS
+    tracebacks: bool = False  # log each 5xx with its traceback, not in one line
+
+
+# the label of each route in /metrics; any other path counts as "other"
+ENDPOINTS = {
+    "/v1/chat/completions": chat_api.ENDPOINT,
+    "/v1/completions": completions_api.ENDPOINT,
+    "/v1/models": "models",
+    "/health": "health",
+    "/metrics": "metrics",
+}
+
+
+def endpoint_label(path: str) -> str:
+    if path.startswith("/v1/models/"):
+        return "models"
+    return ENDPOINTS.get(path, "other")
 
 
 def context_window(engine) -> int:
@@ -49,11 +67,14 @@ def create_app(engine, options: ServerOptions | None = None) -> FastAPI:
     The caller keeps ownership of the engine (and closes it after the server stops).
     """
     opts = options or ServerOptions()
-    worker = Worker(engine, opts.queue_size)
+    metrics = Metrics(engine, lambda: worker.depth, endpoint_label)
+    worker = Worker(
+        engine, opts.queue_size, on_generated=metrics.generation_ended, tracebacks=opts.tracebacks
+    )
     state = ServerState(
         model_name=opts.model_name or engine.path.name,
         worker=worker,
-        metrics=Metrics(engine, lambda: worker.depth),
+        metrics=metrics,
         template=ChatTemplate(engine.tokenizer),
         strings=TokenStrings(engine.tokenizer),
         sampling=SamplingDefaults.from_model_dir(engine.path),
@@ -76,6 +97,8 @@ def create_app(engine, options: ServerOptions | None = None) -> FastAPI:
     app.state.edge0 = state
     errors.install(app)
     app.add_middleware(Guard, api_key=opts.api_key, max_bytes=opts.max_body_bytes)
+    # added last: the outermost
+    app.add_middleware(Failsafe, count=metrics.response, tracebacks=opts.tracebacks)
 
     def model_card() -> dict:
         return {
@@ -90,7 +113,7 @@ def create_app(engine, options: ServerOptions | None = None) -> FastAPI:
     async def list_models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id}")
+    @app.get("/v1/models/{model_id:path}")  # ids like Qwen/Qwen3-30B-A3B hold a slash
     async def get_model(model_id: str) -> dict:
         if model_id != state.model_name:
             raise errors.APIError(
@@ -103,11 +126,11 @@ def create_app(engine, options: ServerOptions | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await chat_completions(state, body, request)
+        return await chat_api.chat_completions(state, body, request)
 
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: Request) -> Response:
-        return await completions(state, body, request)
+        return await completions_api.completions(state, body, request)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from edge0.server.errors import bad_request, error_body
-from edge0.server.jobs import sse, token_budget
+from edge0.server.jobs import shutting_down, sse, token_budget
 from edge0.server.logprobs import TokenLogprob
 from edge0.server.prompt import ChatPrompt, template_messages
 from edge0.server.protocol import ChatCompletionRequest
 from edge0.server.reasoning import REASONING, ThinkSplitter
 from edge0.server.state import ServerState, new_id, now
 from edge0.server.tools import ToolCallParser, forced_prefix
-from edge0.server.worker import Done, Failed, Token
+from edge0.server.worker import CANCELLED, SHUTTING_DOWN, Done, Failed, Token
 
 ENDPOINT = "chat"
 
@@ -88,7 +89,10 @@ async def chat_completions(
     except ValueError as e:
         raise bad_request(str(e), param="chat_template_kwargs") from e
     try:
-        prompt = template.render(template_messages(body.messages), tools, kwargs, prefix)
+        # off the event loop: a long prompt takes seconds to tokenize, and streams must flow
+        prompt = await run_in_threadpool(
+            template.render, template_messages(body.messages), tools, kwargs, prefix
+        )
     except ValueError as e:
         raise bad_request(str(e), param="messages") from e
     max_tokens = token_budget(
@@ -129,7 +133,8 @@ async def _whole(state, pending, output, meta, n_prompt, request, want_logprobs)
         message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
     logprobs = None
     if want_logprobs:
-        logprobs = {"content": [state.strings.chat_entry(t.logprob) for t in tokens]}
+        entries = [lp for t in tokens for lp in t.logprobs] + done.logprobs
+        logprobs = {"content": [state.strings.chat_entry(lp) for lp in entries]}
     choice = {
         "index": 0,
         "message": message,
@@ -175,13 +180,12 @@ async def _stream(state, body, pending, output, meta, n_prompt):
             c["usage"] = None
         return sse(c)
 
-    outcome = "cancelled"
+    outcome = CANCELLED
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for event in pending:
             if isinstance(event, Token):
-                if event.logprob is not None:
-                    held.append(event.logprob)
+                held.extend(event.logprobs)
                 for delta in output.feed(event.text):
                     yield chunk(delta)
             elif isinstance(event, Failed):
@@ -190,9 +194,13 @@ async def _stream(state, body, pending, output, meta, n_prompt):
                 break
             else:
                 outcome = event.finish_reason
-                if outcome == "cancelled":
+                if outcome == CANCELLED:  # the client is gone: nobody reads what follows
                     return
-                state.record(ENDPOINT, outcome, pending, event)
+                state.record(ENDPOINT, outcome, pending)
+                if outcome == SHUTTING_DOWN:
+                    yield sse(shutting_down().body())
+                    break
+                held.extend(event.logprobs)
                 for delta in output.feed(event.text) + output.finish():
                     yield chunk(delta)
                 yield chunk({}, output.finish_reason(event))
@@ -201,6 +209,6 @@ async def _stream(state, body, pending, output, meta, n_prompt):
                     yield sse({**u, "usage": usage(n_prompt, event.completion_tokens)})
         yield sse("[DONE]")
     finally:
-        if outcome in ("cancelled", "error"):
+        if outcome in (CANCELLED, "error"):
             pending.cancel()
             state.record(ENDPOINT, outcome, pending)

@@ -1,4 +1,4 @@
-"""`edge0 serve`: flags, the bind-address check, and running uvicorn around the app.
+"""`edge0 serve`: flags, the bind-address check, and serving the app (lifecycle.py).
 
 Imports of torch, FastAPI and uvicorn wait until the command runs, so building the CLI's
 parser stays fast.
@@ -37,6 +37,7 @@ def check_bind(host: str, api_key: str | None) -> None:
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     from edge0 import memory
     from edge0.cli_args import add_engine_args
+    from edge0.server import limits
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument(
@@ -74,9 +75,16 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument(
         "--default-max-tokens",
         type=int,
-        default=None,
-        help="completion length for chat requests without max_tokens (default: to the end of "
-        "the context)",
+        default=limits.CHAT_MAX_TOKENS,
+        help="most tokens a chat request without max_tokens gets; it then ends with "
+        f"finish_reason 'length' (default {limits.CHAT_MAX_TOKENS}; 0: to the end of the context)",
+    )
+    s.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=limits.SHUTDOWN_GRACE_S,
+        help="seconds the running request gets to finish on SIGTERM or Ctrl-C before it is "
+        f"cut with a 'shutting_down' error (default {limits.SHUTDOWN_GRACE_S:g})",
     )
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
@@ -84,14 +92,18 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from edge0.cli_args import default_model_dir, engine_options
     from edge0.engine import load_engine
     from edge0.server.app import ServerOptions, create_app
+    from edge0.server.lifecycle import serve
 
-    if args.default_max_tokens is not None and args.default_max_tokens < 1:
-        raise ValueError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
+    if args.default_max_tokens < 0:
+        raise ValueError(
+            f"--default-max-tokens must be at least 0 (0: to the end of the context), "
+            f"got {args.default_max_tokens}"
+        )
+    if args.shutdown_grace < 0:
+        raise ValueError(f"--shutdown-grace must be at least 0, got {args.shutdown_grace}")
     api_key = args.api_key
     if args.api_key_file is not None:
         lines = args.api_key_file.read_text().split()
@@ -109,16 +121,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 api_key=api_key,
                 queue_size=args.queue_size,
                 max_body_bytes=args.max_body,
-                default_max_tokens=args.default_max_tokens,
+                default_max_tokens=args.default_max_tokens or None,
+                tracebacks=getattr(args, "debug", False),
             ),
         )
         name = args.model_name or engine.path.name
         print(f"edge0: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
         level = "info" if getattr(args, "verbose", False) else "warning"
-        # open streams get a few seconds on Ctrl-C, then are cancelled (and their generations)
-        uvicorn.run(
-            app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5
-        )
+        worker = app.state.edge0.worker
+        served = serve(app, worker, args.host, args.port, level, args.shutdown_grace)
     finally:
         engine.close()
+    if not served:
+        return 1  # uvicorn said why
+    print(f"edge0: stopped serving {name}", file=sys.stderr)
     return 0

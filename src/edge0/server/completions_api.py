@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from edge0.server.chat_api import SSE_HEADERS, usage
 from edge0.server.errors import bad_request, error_body
-from edge0.server.jobs import sse, token_budget
-from edge0.server.logprobs import legacy_logprobs
+from edge0.server.jobs import shutting_down, sse, token_budget
+from edge0.server.limits import COMPLETIONS_MAX_TOKENS
+from edge0.server.logprobs import TokenLogprob, legacy_logprobs
 from edge0.server.protocol import CompletionRequest
 from edge0.server.state import ServerState, new_id, now
-from edge0.server.worker import Failed, Token
+from edge0.server.worker import CANCELLED, SHUTTING_DOWN, Failed, Token
 
 ENDPOINT = "completions"
-DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for this endpoint
 
 
 def prompt_ids(state: ServerState, body: CompletionRequest) -> tuple[list[int], str]:
@@ -40,8 +41,9 @@ def prompt_ids(state: ServerState, body: CompletionRequest) -> tuple[list[int], 
 
 
 async def completions(state: ServerState, body: CompletionRequest, request: Request) -> Response:
-    ids, text = prompt_ids(state, body)
-    requested = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+    # off the event loop: a long prompt takes seconds to tokenize, and streams must flow
+    ids, text = await run_in_threadpool(prompt_ids, state, body)
+    requested = body.max_tokens if body.max_tokens is not None else COMPLETIONS_MAX_TOKENS
     max_tokens = token_budget(requested, len(ids), state.context, None, "prompt")
     pending = state.submit(
         ENDPOINT,
@@ -62,7 +64,8 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     tokens, done = await state.collect(ENDPOINT, pending, request)
     logprobs = None
     if body.logprobs is not None:
-        logprobs = legacy_logprobs(state.strings, [t.logprob for t in tokens], len(echo))
+        entries = [lp for t in tokens for lp in t.logprobs] + done.logprobs
+        logprobs = legacy_logprobs(state.strings, entries, len(echo))
     choice = {
         "index": 0,
         "text": echo + "".join(t.text for t in tokens) + done.text,
@@ -83,12 +86,12 @@ async def _stream(state, body, pending, meta, n_prompt, echo):
     include_usage = body.include_usage()
     offset = len(echo)
 
-    def chunk(text: str, tokens: list[Token], finish: str | None = None) -> str:
+    def chunk(text: str, entries: list[TokenLogprob], finish: str | None = None) -> str:
         nonlocal offset
         logprobs = None
         if body.logprobs is not None:
-            logprobs = legacy_logprobs(state.strings, [t.logprob for t in tokens], offset)
-        offset += sum(len(state.strings.text(t.token)) for t in tokens)
+            logprobs = legacy_logprobs(state.strings, entries, offset)
+        offset += sum(len(state.strings.text(e.token)) for e in entries)
         choice: dict[str, Any] = {
             "index": 0,
             "text": text,
@@ -100,32 +103,32 @@ async def _stream(state, body, pending, meta, n_prompt, echo):
             c["usage"] = None
         return sse(c)
 
-    outcome = "cancelled"
-    held: list[Token] = []
+    outcome = CANCELLED
     try:
         if echo:
             yield chunk(echo, [])
         async for event in pending:
             if isinstance(event, Token):
-                held.append(event)
-                if event.text:
-                    yield chunk(event.text, held)
-                    held = []
+                if event.text:  # logprobs come only with text (see worker.Token)
+                    yield chunk(event.text, event.logprobs)
             elif isinstance(event, Failed):
                 outcome = "error"
                 yield sse(error_body(f"generation failed: {event.message}", "server_error"))
                 break
             else:
                 outcome = event.finish_reason
-                if outcome == "cancelled":
+                if outcome == CANCELLED:  # the client is gone: nobody reads what follows
                     return
-                state.record(ENDPOINT, outcome, pending, event)
-                yield chunk(event.text, held, event.finish_reason)
+                state.record(ENDPOINT, outcome, pending)
+                if outcome == SHUTTING_DOWN:
+                    yield sse(shutting_down().body())
+                    break
+                yield chunk(event.text, event.logprobs, event.finish_reason)
                 if include_usage:
                     u = {**meta, "object": "text_completion", "choices": []}
                     yield sse({**u, "usage": usage(n_prompt, event.completion_tokens)})
         yield sse("[DONE]")
     finally:
-        if outcome in ("cancelled", "error"):
+        if outcome in (CANCELLED, "error"):
             pending.cancel()
             state.record(ENDPOINT, outcome, pending)

@@ -6,15 +6,12 @@ shape, so a client library always finds a message it can show.
 
 from __future__ import annotations
 
-import logging
 import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-log = logging.getLogger(__name__)
 
 INVALID = "invalid_request_error"
 
@@ -70,10 +67,18 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     """The first problem pydantic found, named by its path in the request body."""
     errors = exc.errors()
     first = errors[0]
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "invalid JSON")
+    kind, ctx = first.get("type"), first.get("ctx") or {}
+    if kind == "json_invalid":
+        detail = ctx.get("error", "invalid JSON")
         return bad_request(f"the request body is not valid JSON: {detail}", code="invalid_json")
     loc = _path(first.get("loc", ()))
+    if kind == "missing" and not loc:
+        return bad_request(
+            "the request body is empty: send a JSON object (Content-Type: application/json)",
+            code="invalid_json",
+        )
+    if kind == "cross_field":  # fields that do not go together: name the one to change
+        return bad_request(first.get("msg", "invalid request"), param=ctx.get("param"))
     if first.get("type") == "model_attributes_type" and not loc:
         return bad_request(
             "the request body must be a JSON object (Content-Type: application/json)"
@@ -87,7 +92,21 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                 messages.append(msg)
     where = ".".join(loc)
     text = "; or ".join(messages[:3])
-    return bad_request(f"{where}: {text}" if where else text, param=loc[0] if loc else None)
+    if where and not text.startswith(loc[0]):  # a message may name its own place
+        text = f"{where}: {text}"
+    return bad_request(text, param=loc[0] if loc else None)
+
+
+def _body_error(exc: StarletteHTTPException) -> APIError:
+    """FastAPI's 400 for a body it could not read as JSON, saying why (its cause)."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        detail = f"the request body is not valid UTF-8 ({cause.reason} at byte {cause.start})"
+    elif isinstance(cause, RecursionError):
+        detail = "the request body nests too deeply"
+    else:
+        detail = f"the request body could not be read as JSON ({type(cause).__name__})"
+    return bad_request(f"{detail}; send UTF-8 JSON", code="invalid_json")
 
 
 def install(app: FastAPI) -> None:
@@ -103,17 +122,12 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            return _body_error(exc).response()
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         return APIError(
             exc.status_code, message, code=code.get(exc.status_code), headers=exc.headers
-        ).response()
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return APIError(
-            500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"
         ).response()

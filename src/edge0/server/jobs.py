@@ -7,6 +7,7 @@ before a response starts, so a streaming client still gets a proper 4xx status.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -19,11 +20,23 @@ from starlette.requests import Request
 from edge0.sampling import SamplingParams
 from edge0.server.errors import APIError, bad_request
 from edge0.server.protocol import CommonRequest
-from edge0.server.worker import Done, Event, Failed, Job, QueueFull, Token, Worker
+from edge0.server.worker import (
+    SHUTTING_DOWN,
+    Done,
+    Event,
+    Failed,
+    Job,
+    QueueFull,
+    Token,
+    Worker,
+)
 
 log = logging.getLogger(__name__)
 
 GREEDY_BELOW = 1e-5  # temperatures below this are served greedily
+# a top_p at or below the top token's probability (at least 1/vocab) keeps that token alone;
+# below float32's range it would even round to 0 in the sampler and keep nothing
+GREEDY_TOP_P_BELOW = 1e-6
 
 
 @dataclass(frozen=True)
@@ -52,13 +65,26 @@ class SamplingDefaults:
     def resolve(self, req: CommonRequest) -> SamplingParams:
         top_k = self.top_k if req.top_k is None else max(req.top_k, 0)
         t = self.temperature if req.temperature is None else req.temperature
+        top_p = self.top_p if req.top_p is None else req.top_p
+        greedy = t < GREEDY_BELOW or top_p < GREEDY_TOP_P_BELOW
         return SamplingParams(
-            # dividing logits by a near-zero temperature overflows them; it means greedy
-            temperature=0.0 if t < GREEDY_BELOW else t,
-            top_p=self.top_p if req.top_p is None else req.top_p,
+            # dividing logits by a near-zero temperature overflows them, and a near-zero top_p
+            # keeps only the most likely token: both mean greedy
+            temperature=0.0 if greedy else t,
+            top_p=1.0 if greedy else top_p,
             top_k=top_k,
-            seed=req.seed,
+            seed=None if req.seed is None else generator_seed(req.seed),
         )
+
+
+def generator_seed(seed: int) -> int:
+    """A request's seed mixed into the 32 bits torch's CPU generator keeps.
+
+    manual_seed() keeps only the low 32 bits, so 0, 2**32 and 2**63 would draw the same
+    tokens; a hash makes every bit count (two seeds collide with probability 2**-32).
+    """
+    raw = seed.to_bytes(9, "little", signed=True)  # the range Seed allows, negatives included
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=4).digest(), "little")
 
 
 def token_budget(
@@ -76,7 +102,7 @@ def token_budget(
             param=what,
             code="context_length_exceeded",
         )
-    if requested is None:
+    if requested is None:  # capped by the server's default, and visible as finish "length"
         return min(room, default) if default else room
     if requested > room:
         raise bad_request(
@@ -118,7 +144,7 @@ class Pending:
                 headers={"Retry-After": str(e.retry_after_s)},
             ) from e
         except RuntimeError as e:
-            raise APIError(503, str(e), type="server_error", code="shutting_down") from e
+            raise shutting_down() from e
 
     def _sink(self, event: Event) -> None:  # on the generation thread
         try:
@@ -160,6 +186,15 @@ class Pending:
                 self.cancel()
         assert done is not None
         return tokens, done
+
+
+def shutting_down() -> APIError:
+    return APIError(
+        503,
+        "the server is shutting down; retry shortly (or on another instance)",
+        type="server_error",
+        code=SHUTTING_DOWN,
+    )
 
 
 async def _cancel_on_disconnect(request: Request, pending: Pending) -> None:

@@ -6,6 +6,7 @@ temperature and top-k/top-p), as vLLM reports them, so a greedy token is always 
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import re
@@ -35,6 +36,39 @@ def token_logprob(logits: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
         values, ids = torch.topk(lp, min(n_top, lp.shape[-1]))
         top = [(int(i), _finite(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
     return TokenLogprob(token, _finite(float(lp[token])), top)
+
+
+class HeldLogprobs:
+    """Releases a token's logprob once text from that token is emitted, so logprobs and text
+    agree: the tokens that completed a stop string (or were held back as its possible start)
+    and never reached the text are dropped with it."""
+
+    def __init__(self):
+        self._held: collections.deque[tuple[int, TokenLogprob]] = collections.deque()
+        self._decoded = 0  # characters decoded so far
+        self._emitted = 0  # characters released (a prefix of the decoded text)
+
+    def push(self, lp: TokenLogprob | None, decoded: str, emitted: str) -> list[TokenLogprob]:
+        """Add a token whose text decoded to `decoded` while `emitted` was released."""
+        if lp is not None:
+            self._held.append((self._decoded, lp))  # where this token's text starts
+        self._decoded += len(decoded)
+        return self._release(emitted)
+
+    def finish(self, emitted: str, stopped: bool) -> list[TokenLogprob]:
+        """The last release; without a stop string every held entry goes with it."""
+        out = self._release(emitted)
+        if not stopped:
+            out += [lp for _, lp in self._held]
+        self._held.clear()
+        return out
+
+    def _release(self, emitted: str) -> list[TokenLogprob]:
+        self._emitted += len(emitted)
+        out = []
+        while self._held and self._held[0][0] < self._emitted:
+            out.append(self._held.popleft()[1])
+        return out
 
 
 def _finite(x: float) -> float:

@@ -1,11 +1,15 @@
 """Prometheus metrics for GET /metrics, in a registry owned by one app (no global state).
 
 Expert-pool and prerouter counters (reads, bytes, hits, time blocked on reads, staged and
-dropped experts) are read from the engine's stats when scraped, so they also count prefill;
-per-request figures come from the engine's GenerationStats when a request ends.
+dropped experts) are read from the engine's stats when scraped, so they also count prefill.
+Token counts and rates come from the engine's GenerationStats, taken by the generation
+thread when a generation ends, however it ends: a cancelled stream and a cancelled whole
+request count the tokens that were generated alike.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -45,14 +49,21 @@ class EngineCollector(Collector):
 class Metrics:
     """All server metrics; see the module docstring."""
 
-    def __init__(self, engine, queue_depth):
+    def __init__(self, engine, queue_depth: Callable[[], int], endpoint: Callable[[str], str]):
         self.registry = r = CollectorRegistry()
         r.register(EngineCollector(engine.stats))
+        self.endpoint = endpoint  # URL path -> endpoint label (a bounded set)
         self.requests = Counter(
             "edge0_requests",
-            "requests by endpoint and outcome: the finish reason (stop, length), or cancelled, "
-            "error, rejected (queue full)",
+            "generation requests by endpoint and outcome: the finish reason (stop, length, "
+            "tool_calls), or cancelled, error, rejected (queue full), shutting_down",
             ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.responses = Counter(
+            "edge0_responses",
+            "HTTP responses by endpoint and status code, errors included",
+            ["endpoint", "status"],
             registry=r,
         )
         self.prompt_tokens = Counter("edge0_prompt_tokens", "prompt tokens prefilled", registry=r)
@@ -91,21 +102,25 @@ class Metrics:
         pool.set(engine.plan.pool_bytes)
         self._peaks = (0, 0)
 
+    def response(self, path: str, status: int) -> None:
+        self.responses.labels(self.endpoint(path), str(status)).inc()
+
     def finished(
         self,
         endpoint: str,
         outcome: str,
-        stats: GenerationStats | None = None,
         seconds: float | None = None,
         first_token_s: float | None = None,
     ) -> None:
+        """A request's outcome and times (its tokens are counted by generation_ended())."""
         self.requests.labels(endpoint, outcome).inc()
         if seconds is not None:
             self.latency.observe(seconds)
         if first_token_s is not None:
             self.ttft.observe(first_token_s)
-        if stats is None:
-            return
+
+    def generation_ended(self, stats: GenerationStats) -> None:
+        """A generation ended (on the generation thread): count its tokens and rates."""
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generated.inc(stats.generated_tokens)
         if stats.decode_tok_s:

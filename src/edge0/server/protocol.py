@@ -8,12 +8,17 @@ instead of being dropped quietly.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
+# JSON schemas in tools rarely nest past ~10 levels; the template renderer recurses per level
+MAX_DEPTH = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # torch.Generator.manual_seed takes any value in this range
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
@@ -21,6 +26,40 @@ Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
 class Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def check_json(value: Any, name: str) -> Any:
+    """Refuse what the tokenizer and template cannot take: lone surrogates, deep nesting.
+
+    JSON's \\ud800 escape decodes to a lone UTF-16 surrogate, which is not Unicode text; deep
+    nesting would exhaust the template renderer's recursion. Walks without recursing itself.
+    """
+    todo: list[tuple[Any, str, int]] = [(value, name, 0)]
+    while todo:
+        v, where, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{where} nests deeper than {MAX_DEPTH} levels")
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                raise ValueError(
+                    f"{where} contains a lone UTF-16 surrogate (such as \\ud800), which is not "
+                    "Unicode text; send characters outside the BMP as a surrogate pair"
+                )
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                todo.append((k, f"a key of {where}", depth))
+                if isinstance(item, str | dict | list):
+                    todo.append((item, f"{where}.{k}", depth + 1))
+        elif isinstance(v, list):
+            for i, item in enumerate(v):
+                if isinstance(item, str | dict | list):
+                    todo.append((item, f"{where}[{i}]", depth + 1))
+    return value
+
+
+def cross_field(param: str, message: str) -> PydanticCustomError:
+    """An error about how fields combine, still naming the field to change (see errors.py)."""
+    return PydanticCustomError("cross_field", message, {"param": param})
 
 
 class StreamOptions(Model):
@@ -34,10 +73,20 @@ class ContentPart(Model):
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
         if self.type != "text":
-            raise ValueError(f"only text content parts are supported, not {self.type!r}")
+            raise ValueError(unsupported_part(self.type))
         if self.text is None:
             raise ValueError("a text content part needs a 'text' string")
         return self
+
+
+def unsupported_part(kind: Any) -> str:
+    """The message for a content part that is not text; image parts, the usual case, by name."""
+    if isinstance(kind, str) and "image" in kind:
+        return (
+            f"image content parts ({kind!r}) are not supported: the model reads text only; "
+            "send the message as text"
+        )
+    return f"content parts of type {kind!r} are not supported (the model reads text only)"
 
 
 class FunctionCall(Model):
@@ -58,6 +107,16 @@ class Message(Model):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        # said here, once: else the union reports "Input should be a valid string" first
+        if isinstance(v, list):
+            for part in v:
+                if isinstance(part, dict) and part.get("type") != "text":
+                    raise ValueError(unsupported_part(part.get("type")))
+        return v
 
     @model_validator(mode="after")
     def _has_content(self) -> Message:
@@ -105,18 +164,23 @@ class CommonRequest(Model):
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0: only the most likely token (greedy)
     top_k: int | None = Field(None, ge=-1)  # sampling top-k, as in vLLM; 0 and -1 = off
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: Seed | None = None
-    stream: bool = False
+    stream: bool | None = False  # null is accepted, as by the OpenAI API
     stream_options: StreamOptions | None = None
     n: int | None = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text_and_depth(cls, v: Any, info: ValidationInfo) -> Any:
+        return check_json(v, info.field_name or "body")
 
     @field_validator("stop")
     @classmethod
@@ -171,14 +235,16 @@ class ChatCompletionRequest(CommonRequest):
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise cross_field("top_logprobs", "top_logprobs needs logprobs: true")
         names = {t.function.name for t in self.tools or []}
         if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
+            raise cross_field("tool_choice", "tool_choice 'required' needs tools")
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.name
             if name not in names:
-                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+                raise cross_field(
+                    "tool_choice", f"tool_choice names function {name!r}, which is not in tools"
+                )
         return self
 
     def token_limit(self) -> int | None:
@@ -203,11 +269,13 @@ class CompletionRequest(CommonRequest):
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
         if self.suffix:
-            raise ValueError("suffix (fill-in-the-middle) is not supported")
+            raise cross_field("suffix", "suffix (fill-in-the-middle) is not supported")
         if self.best_of not in (None, 1):
-            raise ValueError("best_of must be 1")
+            raise cross_field("best_of", "best_of must be 1")
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which edge0 does not score")
+            raise cross_field(
+                "echo", "echo with logprobs needs prompt logprobs, which edge0 does not score"
+            )
         return self
 
     def single_prompt(self) -> str | list[int]:

@@ -7,11 +7,11 @@ import uuid
 from dataclasses import dataclass
 
 from edge0.server.errors import APIError
-from edge0.server.jobs import Pending, SamplingDefaults
+from edge0.server.jobs import Pending, SamplingDefaults, shutting_down
 from edge0.server.logprobs import TokenStrings
 from edge0.server.metrics import Metrics
 from edge0.server.prompt import ChatTemplate
-from edge0.server.worker import Done, Token, Worker
+from edge0.server.worker import CANCELLED, SHUTTING_DOWN, Done, Token, Worker
 
 
 @dataclass
@@ -35,19 +35,14 @@ class ServerState:
         """Queue a generation (see Pending); a refusal is counted in the metrics."""
         try:
             return Pending(self.worker, **job)
-        except APIError:
-            self.metrics.finished(endpoint, "rejected")
+        except APIError as e:  # 429 queue full, or 503 while shutting down
+            self.metrics.finished(endpoint, "rejected" if e.status == 429 else SHUTTING_DOWN)
             raise
 
-    def record(self, endpoint: str, outcome: str, pending: Pending, done: Done | None = None):
-        """Count a finished request: outcome is its finish reason, 'cancelled' or 'error'."""
-        self.metrics.finished(
-            endpoint,
-            outcome,
-            done.stats if done is not None else None,
-            pending.elapsed(),
-            pending.first_token_s,
-        )
+    def record(self, endpoint: str, outcome: str, pending: Pending):
+        """Count a finished request: outcome is its finish reason, 'cancelled', 'error' or
+        'shutting_down' (its tokens were counted when its generation ended)."""
+        self.metrics.finished(endpoint, outcome, pending.elapsed(), pending.first_token_s)
 
     async def collect(self, endpoint: str, pending: Pending, request) -> tuple[list[Token], Done]:
         """A whole (non-streamed) generation; cancelled or failed ones raise an APIError."""
@@ -56,9 +51,11 @@ class ServerState:
         except APIError:
             self.record(endpoint, "error", pending)
             raise
-        self.record(endpoint, done.finish_reason, pending, done)
-        if done.finish_reason == "cancelled":  # the client left, or the server is stopping
-            raise APIError(503, "the request was cancelled", type="server_error", code="cancelled")
+        self.record(endpoint, done.finish_reason, pending)
+        if done.finish_reason == SHUTTING_DOWN:
+            raise shutting_down()
+        if done.finish_reason == CANCELLED:  # the client left, or the app is stopping
+            raise APIError(503, "the request was cancelled", type="server_error", code=CANCELLED)
         return tokens, done
 
 

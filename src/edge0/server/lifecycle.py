@@ -1,0 +1,86 @@
+"""Running uvicorn until SIGTERM or Ctrl-C, then stopping in order.
+
+uvicorn runs on a thread of its own so that the main thread owns the signals: uvicorn's own
+handling re-raises SIGTERM once it has stopped, which kills the process before the engine is
+closed. On the first signal:
+
+1. requests waiting in the queue, and any new one, get 503 `shutting_down` at once (a stream
+   gets that error as an event, then `data: [DONE]`);
+2. uvicorn stops accepting connections;
+3. the running request gets `grace_s` to finish, then ends with the same error;
+4. uvicorn sends what the handlers still have and returns; the caller closes the engine.
+
+A second signal cuts the running request, and then the open connections, at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+
+import uvicorn
+
+from edge0.server.worker import Worker
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+# after the running request ends, what the handlers still have to send takes moments
+FINISH_S = 5.0
+
+
+def serve(app, worker: Worker, host: str, port: int, log_level: str, grace_s: float) -> bool:
+    """Serve `app` until a signal, then stop as the module docstring says.
+
+    Returns False when uvicorn stopped by itself before serving (it logged why: a port in
+    use, an address it cannot bind).
+    """
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s + FINISH_S
+    )
+    server = uvicorn.Server(config)
+    signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def on_signal(sig: int, _frame) -> None:  # only queues it: the main loop below acts
+        signals.put(sig)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=server.run, name="edge0-http")
+    try:
+        thread.start()
+        sig = _first_signal(signals, thread)
+        if sig is None:
+            return server.started
+        log.warning(
+            "%s: refusing new requests; the running one has %.0f s to finish",
+            signal.Signals(sig).name,
+            grace_s,
+        )
+        worker.refuse_new()
+        server.should_exit = True
+        deadline = time.monotonic() + grace_s
+        while not worker.wait_idle(POLL_S):
+            if time.monotonic() >= deadline or not signals.empty():
+                worker.cancel_running()
+                break
+        while thread.is_alive():
+            thread.join(POLL_S)
+            if not signals.empty():
+                server.force_exit = True
+        return True
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _first_signal(signals: queue.SimpleQueue[int], thread: threading.Thread) -> int | None:
+    """The first signal, or None if the server thread ends first."""
+    while thread.is_alive():
+        try:
+            return signals.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+    return None

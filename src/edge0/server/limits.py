@@ -1,0 +1,12 @@
+"""Defaults shared by `edge0 serve`'s flags and ServerOptions, so each has one home.
+
+This module imports nothing, so building the CLI's parser stays fast.
+"""
+
+# Chat requests that leave max_tokens out; many clients do, and one such request would hold
+# the one generation thread to the end of the context (minutes). `edge0 chat` uses the same.
+CHAT_MAX_TOKENS = 512
+# /v1/completions without max_tokens: the OpenAI API's default for that endpoint
+COMPLETIONS_MAX_TOKENS = 16
+# on SIGTERM / Ctrl-C, the running request gets this long to finish before it is cut
+SHUTDOWN_GRACE_S = 5.0
