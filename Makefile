@@ -18,6 +18,7 @@ run: $(STAMP)
 # The suite, then its int4 tests again under every other kernel family torch can pick on
 # this CPU (ATEN_CPU_CAPABILITY): a layout bug shows up on the machine at hand, not a user's.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 	for cap in $$($(PY) tests/helpers.py --other-capabilities); do \
 		echo "== int4 tests under ATEN_CPU_CAPABILITY=$$cap"; \

@@ -11,7 +11,7 @@ from edge0.int4_layout import host_layout
 from edge0.loader import build
 from edge0.models import FAMILIES
 from edge0.models.experts import ExpertSlot
-from edge0.models.int4 import Int4Embedding, Int4Linear, dequantize, int4_weights, quantize
+from edge0.models.int4 import Int4Embedding, Int4Linear, dequantize, quantize
 from edge0.models.qwen3_moe import Config
 from helpers import QWEN3
 
@@ -49,7 +49,7 @@ def test_int4_embedding_rows_and_tied_projection():
 def test_which_weights_are_int4():
     cfg = Config.from_dict(dict(QWEN3, tie_word_embeddings=False))
     model = build(FAMILIES["qwen3_moe"], cfg, ExpertSlot)
-    names = int4_weights(model)
+    names = model.int4_weights()
     assert "model.layers.0.self_attn.q_proj.weight" in names
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
     assert not any(n.endswith("mlp.gate.weight") for n in names)  # routers stay float

@@ -26,12 +26,12 @@ from hypothesis import strategies as st
 
 from edge0.convert import convert
 from edge0.engine import EngineOptions, Generation, GenerationStats, load_engine
+from edge0.prompt import ChatTemplate
+from edge0.reasoning import ThinkSplitter
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.cli import check_bind
-from edge0.server.prompt import ChatTemplate
-from edge0.server.reasoning import ThinkSplitter
-from edge0.server.stops import StopMatcher
 from edge0.server.tools import ToolCallParser
+from edge0.stops import StopMatcher
 from edge0.tokenizer_train import train_bpe
 from helpers import TEXT, make_hf_model
 

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from edge0.engine import EngineOptions, load_engine
+from edge0.limits import CHAT_MAX_TOKENS
 from edge0.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
-from edge0.server.limits import CHAT_MAX_TOKENS
 from edge0.server.worker import Done, Job, Worker
 from test_server import (
     GOOD,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from edge0.server.limits import CHAT_MAX_TOKENS
+from edge0.limits import CHAT_MAX_TOKENS
 
 HELP = """commands:
   /reset   forget the conversation
@@ -39,7 +39,7 @@ class ChatSession:
         system: str | None = None,
         template_kwargs: dict | None = None,
     ):
-        from edge0.server.prompt import ChatTemplate
+        from edge0.prompt import ChatTemplate
 
         self.engine = engine
         self.sampling = sampling
@@ -64,7 +64,7 @@ class ChatSession:
 
     def reply(self, text: str, out: TextIO) -> str:
         """Answer `text`, writing the answer to `out` as it is generated; returns the answer."""
-        from edge0.server.reasoning import ThinkSplitter
+        from edge0.reasoning import ThinkSplitter
         from edge0.tokenizer import IncrementalDecoder
 
         turn = [*self.messages, {"role": "user", "content": text}]

@@ -32,7 +32,6 @@ from edge0.checkpoint import (
 from edge0.loader import build, expert_prefixes
 from edge0.models import int4, load_config
 from edge0.models.experts import ExpertSlot
-from edge0.models.int4 import int4_weights
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import LAYOUT_KEY, tensor_name
 from edge0.store.extents import ExtentLayout
@@ -159,7 +158,7 @@ def write_model_dir(
     keys = _check_resident(ckpt, expected, skip)
     as_int4 = set()
     if resident == "int4":
-        as_int4 = int4_weights(meta_model, getattr(fam, "NOT_INT4", ()))
+        as_int4 = meta_model.int4_weights(getattr(fam, "NOT_INT4", ()))
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

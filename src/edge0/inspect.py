@@ -434,10 +434,9 @@ def int4_resident(path: Path, raw: dict, fmt: str, tensors: list[Tensor]) -> tup
             from edge0.loader import build
             from edge0.models import load_config
             from edge0.models.experts import ExpertSlot
-            from edge0.models.int4 import int4_weights
 
             fam, cfg = load_config(path)
-            names = int4_weights(build(fam, cfg, ExpertSlot), getattr(fam, "NOT_INT4", ()))
+            names = build(fam, cfg, ExpertSlot).int4_weights(getattr(fam, "NOT_INT4", ()))
             chosen = [t for t in resident if fam.sanitize(cfg, t.name) in names]
         except ValueError as e:  # a family edge0 does not serve: counted as float
             log.info("%s: int4 resident weights not predicted (%s)", path, e)

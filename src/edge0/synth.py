@@ -134,7 +134,7 @@ def synth(
     as_int4 = set()
     if resident == "int4":  # what convert stores as int4 (models/int4.py)
         model = build(qwen3_moe, qwen3_moe.Config.from_dict(cfg), ExpertSlot)
-        as_int4 = int4.int4_weights(model)
+        as_int4 = model.int4_weights()
     declared = []
     for name, s in specs:
         if name in as_int4:

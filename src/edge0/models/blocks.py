@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from edge0 import quant
 from edge0.models.base import Forward
 from edge0.models.int4 import Int4Embedding
 from edge0.models.layers import KVCache, RMSNorm, RotaryEmbedding
@@ -191,6 +192,27 @@ class CausalLM(nn.Module):
         its `nbytes()` sizes the state without memory)."""
         specs = [layer.mixer.cache_spec() for layer in self.backbone.layers]
         return KVCache(specs, max_context, dtype, batch, device)
+
+    def int4_weights(self, not_int4: tuple[str, ...] = ()) -> set[str]:
+        """State-dict names of the weights a converted directory stores as int4: every
+        nn.Linear whose shape fits the kernel (out % 32, in % 64) and the token embedding,
+        except the routers (their logits decide the routing) and names ending in `not_int4`
+        (weights used as matrices, not through their forward). Works on the meta device."""
+        gates = {id(m.gate) for m in self.modules() if isinstance(m, MoEBlock)}
+        tied = self.config.tie_word_embeddings
+        out = set()
+        for name, m in self.named_modules():
+            if id(m) in gates or name.endswith(not_int4):
+                continue
+            if isinstance(m, nn.Linear):
+                n, k = m.weight.shape
+                if n % quant.BLOCK_N == 0 and k % quant.GROUP == 0:
+                    out.add(f"{name}.weight")
+            elif isinstance(m, nn.Embedding):
+                v, d = m.weight.shape
+                if d % quant.GROUP == 0 and (not tied or v % quant.BLOCK_N == 0):
+                    out.add(f"{name}.weight")
+        return out
 
     def set_top_k(self, k: int) -> None:
         """Serve k experts per token instead of the native width."""

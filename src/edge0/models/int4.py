@@ -7,7 +7,7 @@ layout is kernel-neutral: at load a projection is packed once into this machine'
 arrangement (int4_layout) for `aten._weight_int4pack_mm_for_cpu`, and an embedding keeps the
 row-major codes so a token's row is unpacked alone.
 
-Which weights are stored int4 (`int4_weights`): every nn.Linear of the resident floor whose
+Which weights are stored int4 (CausalLM.int4_weights): every nn.Linear of the resident floor whose
 shape fits the kernel (out % 32, in % 64), and the token embedding, except the routers (an
 MoE block's gate: routing is decided on their logits) and what a family lists in NOT_INT4
 (weights used as matrices, not through their forward, such as MLA's absorbed kv_b_proj).
@@ -101,28 +101,6 @@ class Int4Embedding(nn.Module):
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., D] -> logits [..., V] (tied output projection)."""
         return self.head(h)
-
-
-def int4_weights(model: nn.Module, not_int4: tuple[str, ...] = ()) -> set[str]:
-    """State-dict names of the weights a converted directory stores as int4 (see the module
-    docstring); `model` may be on the meta device."""
-    from edge0.models.blocks import MoEBlock
-
-    gates = {id(m.gate) for m in model.modules() if isinstance(m, MoEBlock)}
-    tied = model.config.tie_word_embeddings
-    out = set()
-    for name, m in model.named_modules():
-        if id(m) in gates or name.endswith(not_int4):
-            continue
-        if isinstance(m, nn.Linear):
-            n, k = m.weight.shape
-            if n % quant.BLOCK_N == 0 and k % GROUP == 0:
-                out.add(f"{name}.weight")
-        elif isinstance(m, nn.Embedding):
-            v, d = m.weight.shape
-            if d % GROUP == 0 and (not tied or v % quant.BLOCK_N == 0):
-                out.add(f"{name}.weight")
-    return out
 
 
 def install(

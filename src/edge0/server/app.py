@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from edge0.limits import CHAT_MAX_TOKENS
+from edge0.prompt import ChatTemplate
 from edge0.server import chat_api, completions_api, errors
 from edge0.server.failsafe import Failsafe
 from edge0.server.jobs import SamplingDefaults
-from edge0.server.limits import CHAT_MAX_TOKENS
 from edge0.server.logprobs import TokenStrings
 from edge0.server.metrics import Metrics
 from edge0.server.middleware import Guard
-from edge0.server.prompt import ChatTemplate
 from edge0.server.protocol import ChatCompletionRequest, CompletionRequest
 from edge0.server.state import ServerState
 from edge0.server.worker import Worker

@@ -35,9 +35,8 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
-    from edge0 import memory
+    from edge0 import limits, memory
     from edge0.cli_args import add_engine_args
-    from edge0.server import limits
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument(

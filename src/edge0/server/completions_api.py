@@ -8,10 +8,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from edge0.limits import COMPLETIONS_MAX_TOKENS
 from edge0.server.chat_api import SSE_HEADERS, usage
 from edge0.server.errors import bad_request, error_body
 from edge0.server.jobs import shutting_down, sse, token_budget
-from edge0.server.limits import COMPLETIONS_MAX_TOKENS
 from edge0.server.logprobs import TokenLogprob, legacy_logprobs
 from edge0.server.protocol import CompletionRequest
 from edge0.server.state import ServerState, new_id, now

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from edge0.engine import GenerationStats
 from edge0.sampling import SamplingParams
 from edge0.server.logprobs import HeldLogprobs, TokenLogprob, token_logprob
-from edge0.server.stops import StopMatcher
+from edge0.stops import StopMatcher
 from edge0.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)

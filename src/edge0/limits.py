@@ -1,4 +1,5 @@
-"""Defaults shared by `edge0 serve`'s flags and ServerOptions, so each has one home.
+"""Defaults the front ends share (`edge0 serve`'s flags and ServerOptions, `edge0 chat`), so
+each has one home.
 
 This module imports nothing, so building the CLI's parser stays fast.
 """
