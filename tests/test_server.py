@@ -81,7 +81,8 @@ class Wrapped:
 
 
 class SlowEngine(Wrapped):
-    """Sleeps after every token, so a long request keeps the generation thread busy."""
+    """Sleeps after every token, so a long request keeps the generation thread busy.
+    `finished` lists each generation once it has ended (run out, stopped or cancelled)."""
 
     def __init__(self, engine, delay_s: float):
         super().__init__(engine)
@@ -90,19 +91,29 @@ class SlowEngine(Wrapped):
 
     def generate(self, prompt, max_tokens, sampling=None):
         gen = self._engine.generate(prompt, max_tokens, sampling)
-        self.finished.append(gen)
-        return SlowGeneration(gen, self.delay_s)
+        return SlowGeneration(gen, self.delay_s, self.finished)
 
 
 class SlowGeneration(Wrapped):
-    def __init__(self, gen: Generation, delay_s: float):
+    def __init__(self, gen: Generation, delay_s: float, finished: list[Generation]):
         super().__init__(gen)
-        self.delay_s = delay_s
+        self.delay_s, self.finished = delay_s, finished
+        self._it = self._run()
+
+    def _run(self):
+        try:
+            for item in self._engine:
+                time.sleep(self.delay_s)
+                yield item
+        finally:
+            self._engine.close()
+            self.finished.append(self._engine)
 
     def __iter__(self):
-        for item in self._engine:
-            time.sleep(self.delay_s)
-            yield item
+        return self._it
+
+    def close(self) -> None:
+        self._it.close()
 
 
 class ScriptedEngine(Wrapped):
