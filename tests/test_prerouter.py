@@ -153,17 +153,26 @@ def test_staged_decode_equals_the_same_routing_computed_exactly(dirs):
         engine.close()
 
 
+# The two paths compute the same logits in a different order (a whole sequence vs one token
+# with a KV cache; on bf16 resident weights) and differ by a few 1e-3 (measured: at most 6e-3
+# under every ATEN_CPU_CAPABILITY). A decision whose k-th and (k+1)-th logits are closer than
+# that is a tie either path may break its own way, as two kernels would.
+ROUTING_LOGIT_TOLERANCE = 2e-2
+
+
 def test_teacher_forced_training_routes_as_the_engine_decodes(dirs):
     """The student path of training (TeacherForcedRouting over a whole sequence) and the
-    engine's decode (one token at a time, staged experts) make the same routing decisions on
-    the same tokens, on every MoE layer at every generated position."""
+    engine's decode (one token at a time, staged experts) compute the same routing logits and
+    make the same routing decisions on the same tokens, on every MoE layer at every generated
+    position; only a tie within numerical tolerance may break either way."""
     engine = load_engine(dirs["pre"])
     student = load_student(dirs["pre"], top_k=engine.top_k)
+    k = engine.top_k
     ids = prompt(engine)
-    decoded: dict[int, list[list[int]]] = {i: [] for i in engine.moe_layers}
+    decoded: dict[int, list[tuple[list[int], torch.Tensor]]] = {i: [] for i in engine.moe_layers}
 
     def record(layer, h, logits, indices):
-        decoded[layer].append(sorted(indices[-1].tolist()))
+        decoded[layer].append((sorted(indices[-1].tolist()), logits[-1].float().clone()))
 
     try:
         with engine.new_request() as req:
@@ -181,19 +190,31 @@ def test_teacher_forced_training_routes_as_the_engine_decodes(dirs):
                 logits = engine.step(req, tokens[-1])
     finally:
         engine.close()
-    forced: dict[int, torch.Tensor] = {}
+    forced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def keep(layer, h, logits, indices):
-        forced[layer] = indices
+        forced[layer] = (indices.reshape(-1, k), logits.float().reshape(indices.numel() // k, -1))
 
     seq = torch.tensor([tokens])  # every sampled token was fed back
     mask = prediction_mask(1, seq.shape[1], len(ids))  # the prompt routes by its gates
     with torch.no_grad():
         student.model(seq, TeacherForcedRouting(student.prerouter, mask, observer=keep))
+    decisive = ties = 0
     for layer, steps in decoded.items():
+        indices, all_logits = forced[layer]
         # the prefill's last position, then one position per decode step
-        want = [sorted(row.tolist()) for row in forced[layer][len(ids) - 1 :]]
-        assert steps == want, f"layer {layer}"
+        for step, (chosen, got) in enumerate(steps):
+            pos = len(ids) - 1 + step
+            want = all_logits[pos]
+            assert (got - want).abs().max() < ROUTING_LOGIT_TOLERANCE / 2, (layer, step)
+            ranked = want.sort(descending=True).values
+            if ranked[k - 1] - ranked[k] < ROUTING_LOGIT_TOLERANCE:
+                ties += 1
+                continue
+            decisive += 1
+            assert chosen == sorted(indices[pos].tolist()), f"layer {layer} step {step}"
+    print(f"{decisive} decisive routing decisions agree; {ties} ties within tolerance")
+    assert decisive >= 3 * ties  # the comparison is not vacuous
 
 
 def test_zero_drops_over_a_long_generation(dirs):
