@@ -274,7 +274,7 @@ def test_35b_reproduces_the_audit(mlx_35b):
     m = r.memory
     f = m["floor"]
     assert m["state_source"].startswith("qwen3_5_moe")
-    assert f["total"] == f["weights"] + f["adapter"] + f["heads"] + f["state"]
+    assert f["total"] == f["weights"] + f["adapter"] + f["heads"] + f["state"] + f["prefix_cache"]
     assert m["fits"] and m["predicted_peak_bytes"] == f["total"] + m["pool_bytes"]
     assert m["predicted_peak_bytes"] <= memory.parse_size("6G")
     # the release's 4-bit weights stay int4 (codes and a pair per group of 64), the rest
@@ -360,21 +360,33 @@ def measured_allocation(engine) -> dict[str, int]:
     }
 
 
+@pytest.mark.parametrize("active", [1, 3])
 @pytest.mark.parametrize("which", ["tiny", "builtin"])
-def test_inspect_predicts_the_engines_allocation(tiny, which):
+def test_inspect_predicts_the_engines_allocation(tiny, which, active):
     """inspect's plan (headers only) against the bytes a loaded engine holds, on a model
-    without adapters and on the built-in model (prerouter heads and LoRA)."""
+    without adapters and on the built-in model (prerouter heads and LoRA); serving one request,
+    and three at once with a prefix cache ("auto": one request's state)."""
     path = tiny / "e0" if which == "tiny" else builtin.model_dir()
     budget = memory.parse_size("3M" if which == "tiny" else "64M")
-    r = inspect_dir(path, memory_budget=budget, max_context=256)
-    opts = EngineOptions(memory_budget=budget, max_context=256, io_mode="buffered")
+    prefix = 0 if active == 1 else None
+    r = inspect_dir(
+        path, memory_budget=budget, max_context=256, max_active=active, prefix_cache=prefix
+    )
+    opts = EngineOptions(
+        memory_budget=budget,
+        max_context=256,
+        io_mode="buffered",
+        max_active=active,
+        prefix_cache=prefix,
+    )
     engine = load_engine(path, opts)
     try:
         got = measured_allocation(engine)
         f = r.memory["floor"]
         assert r.memory["top_k"] == engine.top_k
         assert f["weights"] + f["adapter"] == got["weights+adapter"]
-        assert f["heads"] == got["heads"] and f["state"] == got["state"]
+        assert f["heads"] == got["heads"] and f["state"] == active * got["state"]
+        assert f["prefix_cache"] == (0 if prefix == 0 else got["state"])
         assert r.memory["pool_bytes"] == got["pool"]
         assert r.memory == engine.plan.as_dict() | {
             "fits": True,
@@ -383,6 +395,10 @@ def test_inspect_predicts_the_engines_allocation(tiny, which):
         }
         if which == "builtin":
             assert f["adapter"] > 0 and f["heads"] > 0 and r.memory["staging_slots"] > 0
+            # each active request keeps its staged sets pinned between its turns
+            one = inspect_dir(path, memory_budget=budget, max_context=256).memory
+            assert r.memory["staging_slots"] == active * one["staging_slots"]
+            assert r.memory["pool_slots"] >= r.memory["staging_slots"]
     finally:
         engine.close()
 

@@ -95,25 +95,39 @@ class SlowEngine(Wrapped):
 
 
 class SlowGeneration(Wrapped):
+    """Each forward (advance(), or a token when iterated) is followed by a wait."""
+
     def __init__(self, gen: Generation, delay_s: float, finished: list[Generation]):
         super().__init__(gen)
         self.delay_s, self.finished = delay_s, finished
-        self._it = self._run()
+        self._started = False
+        self._units = self._run()
 
     def _run(self):
+        self._started = True
         try:
-            for item in self._engine:
+            while not self._engine.done:
+                item = self._engine.advance()
                 time.sleep(self.delay_s)
                 yield item
         finally:
-            self._engine.close()
-            self.finished.append(self._engine)
+            self._ended()
+
+    def _ended(self) -> None:
+        self._engine.close()
+        self.finished.append(self._engine)
+
+    def advance(self):
+        return next(self._units, None)
 
     def __iter__(self):
-        return self._it
+        return (item for item in self._units if item is not None)
 
     def close(self) -> None:
-        self._it.close()
+        if self._started:
+            self._units.close()
+        else:  # never ran a forward: a generator not started has no `finally` to run
+            self._ended()
 
 
 class ScriptedEngine(Wrapped):
@@ -138,9 +152,11 @@ class ScriptedGeneration:
         self.ids, self.prompt, self.max_tokens, self.vocab = ids, prompt, max_tokens, vocab
         self.tokens: list[int] = []
         self.finish_reason = "stop"
+        self.done = False
         self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self._it = self._run()
 
-    def __iter__(self):
+    def _run(self):
         for token in self.ids[: self.max_tokens]:
             logits = torch.full((self.vocab,), -10.0)
             logits[token] = 10.0
@@ -149,9 +165,16 @@ class ScriptedGeneration:
             yield token, torch.log_softmax(logits, dim=-1)
         if len(self.ids) > self.max_tokens:
             self.finish_reason = "length"
+        self.done = True
+
+    def __iter__(self):
+        return self._it
+
+    def advance(self):
+        return next(self._it, None)
 
     def close(self) -> None:
-        pass
+        self.done = True
 
 
 # -- fixtures ---------------------------------------------------------------------------------

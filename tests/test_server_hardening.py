@@ -366,6 +366,8 @@ def test_a_cancelled_request_counts_the_tokens_it_generated(slow, leave):
     counted = metrics(base)["edge0_generation_tokens_total"]
     leave(base)
     wait_for(lambda: len(engine.finished) > before)
+    # read its tokens once it has ended: until the server hears the client leave, it goes on
+    wait_for(lambda: engine.finished[before].done)
     generated = len(engine.finished[before].tokens)
     assert 0 < generated < 60  # it was cut
     wait_for(lambda: metrics(base)["edge0_generation_tokens_total"] == counted + generated)
@@ -462,7 +464,8 @@ def ends_with_shutting_down(events: list) -> bool:
 
 @pytest.mark.slow
 def test_sigterm_cuts_the_running_request_and_refuses_the_queued_ones(model_dir):
-    server = ServeProcess(model_dir, "--shutdown-grace", "0.5")
+    # one active request, so the other two wait in the queue
+    server = ServeProcess(model_dir, "--shutdown-grace", "0.5", "--max-active", "1")
     long = {"messages": USER, "max_tokens": 480, "temperature": 0, "stream": True}
     started = threading.Event()
     try:
@@ -489,8 +492,37 @@ def test_sigterm_cuts_the_running_request_and_refuses_the_queued_ones(model_dir)
 
 
 @pytest.mark.slow
+def test_sigterm_under_load_ends_every_active_request(model_dir):
+    """Four requests decoding at once (serve's default max_active) and two queued: on SIGTERM
+    the queued ones end at once and the active ones after the grace, each with a
+    shutting_down error event and [DONE]."""
+    server = ServeProcess(model_dir, "--shutdown-grace", "1")
+    long = {"messages": USER, "max_tokens": 480, "temperature": 0, "stream": True}
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            started = [threading.Event() for _ in range(4)]
+            active = [pool.submit(sse_events, server.base, CHAT, long, e) for e in started]
+            assert all(e.wait(60) for e in started)  # all four are decoding
+            queued = [pool.submit(sse_events, server.base, CHAT, long) for _ in range(2)]
+            wait_for(lambda: server.depth() == 6, timeout=30)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            for f in queued:
+                assert ends_with_shutting_down(f.result(timeout=30))
+            assert time.monotonic() - t0 < 1.0  # not after the grace
+            for f in active:
+                events = f.result(timeout=30)
+                assert ends_with_shutting_down(events)
+                assert any(has_text(e) for e in events[:-2])
+    finally:
+        code, out = server.finish()
+    assert code == 0, out
+    assert "stopped serving" in out and "Traceback" not in out
+
+
+@pytest.mark.slow
 def test_sigterm_lets_the_running_request_finish(model_dir):
-    server = ServeProcess(model_dir, "--shutdown-grace", "60")
+    server = ServeProcess(model_dir, "--shutdown-grace", "60", "--max-active", "1")
     body = {"messages": USER, "max_tokens": 150, "temperature": 0, "stream": True}
     started = threading.Event()
     try:

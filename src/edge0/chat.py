@@ -240,7 +240,7 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
     thinking.add_argument("--no-think", dest="thinking", action="store_false")
     c.add_argument("--stats", action="store_true", help="print stats after every answer")
     add_sampling_args(c)
-    add_engine_args(c)
+    add_engine_args(c, prefix_cache=True)
     c.set_defaults(func=cmd_chat)
     return c
 

@@ -23,6 +23,9 @@ FLAGS = {
     "memory_budget": "--memory-budget",
     "expert_cache": "--expert-cache",
     "max_context": "--max-context",
+    "max_active": "--max-active",
+    "prefix_cache": "--prefix-cache",
+    "prefill_chunk": "--prefill-chunk",
     "max_tokens": "--max-tokens",
     "no_prerouter": "--no-prerouter",
     "no_lora": "--no-lora",
@@ -54,7 +57,16 @@ def default_teacher_dir(model_dir: Path) -> Path:
     raise ValueError(f"{model_dir}: no teacher known; pass --teacher HF_DIR")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def prefix_cache_size(text: str) -> int | None:
+    """--prefix-cache: a size, 0 for none, or 'auto' (None: one request's state)."""
+    return None if text.strip().lower() == "auto" else memory.parse_size(text)
+
+
+def add_engine_args(
+    p: argparse.ArgumentParser, max_active: int | None = None, prefix_cache: bool = False
+) -> None:
+    """The engine's flags; a front end that serves several requests at once passes its default
+    `max_active`, one whose requests share prefixes (chat turns) asks for `prefix_cache`."""
     g = p.add_argument_group("engine")
     g.add_argument(
         "--top-k",
@@ -87,6 +99,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="tokens of prompt plus completion per request; the KV cache is allocated for it "
         f"(default {EngineOptions.max_context})",
     )
+    g.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=EngineOptions.prefill_chunk,
+        help="prompt tokens per forward; other requests' steps run between chunks "
+        f"(default {EngineOptions.prefill_chunk})",
+    )
+    if max_active is not None:
+        g.add_argument(
+            "--max-active",
+            type=int,
+            default=max_active,
+            help="requests decoding at once, taking turns one forward each; each holds its own "
+            f"KV cache for --max-context and its staged experts (default {max_active})",
+        )
+    if prefix_cache:
+        g.add_argument(
+            "--prefix-cache",
+            type=prefix_cache_size,
+            default=None,
+            help="memory for finished requests' KV state, reused by a prompt that starts the "
+            "same way (a chat's next turn), within --memory-budget; 0 for none (default auto: "
+            "one request's state for --max-context)",
+        )
     g.add_argument(
         "--io-threads",
         type=int,
@@ -148,6 +184,9 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         io_mode=args.io_mode,
         io_threads=args.io_threads,
         max_context=args.max_context,
+        max_active=getattr(args, "max_active", EngineOptions.max_active),
+        prefix_cache=getattr(args, "prefix_cache", EngineOptions.prefix_cache),
+        prefill_chunk=args.prefill_chunk,
         relayout=args.relayout,
         cache_dir=args.cache_dir,
         dtype=getattr(torch, args.dtype),

@@ -23,11 +23,13 @@ def prefill(
     ids: torch.Tensor,
     pre: PrerouterState | None = None,
     executors: dict[int, Executor] | None = None,
+    last: bool = True,
 ) -> torch.Tensor:
-    """ids [B, T] -> the last position's logits [B, V]; predictions for the next token made."""
+    """ids [B, T] -> the last position's logits [B, V]; predictions for the next token made,
+    unless more of the prompt follows (`last=False`)."""
     fwd = Forward(cache, observer=pre.observe if pre else None, executors=executors)
     logits = model(ids, fwd, last_only=True)[:, -1]
-    if pre is not None:
+    if pre is not None and last:
         pre.flush()  # heads on the last prompt position: the first decode token is predicted
     return logits
 

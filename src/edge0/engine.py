@@ -1,16 +1,20 @@
 """The engine: a loaded model, its serving plan and expert pool, and the decode policy.
 
   load_engine(path, options) -> Engine   load the model, plan the memory, open the pool
-  Engine.new_request() -> Request        one request's state: its cache, its head features,
-                                         the pins of the experts staged for it
+  Engine.new_request(prompt) -> Request  one request's state: its cache (holding the longest
+                                         prefix of `prompt` the prefix cache had), its head
+                                         features, the pins of the experts staged for it
   Engine.prefill(req, ids), step(req, t) one forward each; the executors travel in the call's
                                          Forward, nothing is installed into the model
-  Engine.generate(prompt, ...)           a Generation: iterate it for (token, logprobs)
+  Engine.finish(req)                     offer its state to the prefix cache, unpin its experts
+  Engine.generate(prompt, ...)           a Generation: iterate it for (token, logprobs), or
+                                         advance() it one forward at a time (a scheduler)
 
-Requests share the expert pool (that is the cache) and nothing else, so no output depends on an
-earlier request. Prefill runs every layer on the whole-layer path; at decode, prediction-routed
-layers run on what was staged for them and the rest on the exact path. Without a prerouter (or
-with no_prerouter) every layer is gate-routed and exact.
+Requests share the expert pool (that is the cache) and, through the prefix cache, copies of
+the state of tokens they have in common, so no output depends on an earlier request. Prefill
+runs every layer on the whole-layer path; at decode, prediction-routed layers run on what was
+staged for them and the rest on the exact path. Without a prerouter (or with no_prerouter)
+every layer is gate-routed and exact.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import torch
 
 from edge0 import decode, int4_layout, lora, memory, modeldir
 from edge0.loader import load_edge0_model
-from edge0.models.layers import KVCache
+from edge0.models.layers import CacheSnapshot, KVCache
 from edge0.options import EngineOptions
 from edge0.plan import ServingPlan, make_plan, model_dir_sizes
+from edge0.prefix_cache import PrefixCache, PrefixStats
 from edge0.prerouter.head import Prerouter
 from edge0.prerouter.runtime import PrerouterRuntime, PrerouterState, PrerouterStats
 from edge0.sampling import Sampler, SamplingParams
@@ -52,14 +57,23 @@ class EngineStats:
 
     pool: PoolStats
     prerouter: PrerouterStats
+    prefix: PrefixStats
 
     def minus(self, other: EngineStats) -> EngineStats:
-        return EngineStats(self.pool.minus(other.pool), self.prerouter.minus(other.prerouter))
+        return EngineStats(
+            self.pool.minus(other.pool),
+            self.prerouter.minus(other.prerouter),
+            self.prefix.minus(other.prefix),
+        )
 
 
 @dataclass
 class GenerationStats:
+    """One generation's numbers. Pool and prerouter counters are the engine's over the
+    generation's lifetime: with several requests interleaved they include the others' work."""
+
     prompt_tokens: int = 0
+    prefix_tokens: int = 0  # of the prompt, restored from the prefix cache (not prefilled)
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -83,7 +97,7 @@ class GenerationStats:
 
     def line(self) -> str:
         return (
-            f"prompt {self.prompt_tokens} tok, {self.prefill_tok_s:.1f} tok/s | "
+            f"prompt {self.prompt_tokens} tok{self._reused()}, {self.prefill_tok_s:.1f} tok/s | "
             f"generated {self.generated_tokens} tok, {self.decode_tok_s:.2f} tok/s | "
             f"peak anon {memory.format_bytes(self.peak_anon_bytes)}, "
             f"file {memory.format_bytes(self.peak_file_bytes)} | "
@@ -91,12 +105,26 @@ class GenerationStats:
             f"{self.cache_hits} cache hits | blocked {self.blocked_ms_per_token:.2f} ms/tok"
         )
 
+    def _reused(self) -> str:
+        return f" ({self.prefix_tokens} from the prefix cache)" if self.prefix_tokens else ""
+
 
 class Request:
-    """One request's state. Its decode executors read this request's staged experts."""
+    """One request's state. Its decode executors read this request's staged experts.
+
+    `tokens` are those its cache holds (restored or fed); the first `exact` of them hold the
+    state a fresh prompt of those tokens would get (gate-routed). A prediction-routed decode
+    step runs other experts than a prefill of its token would, so it ends the exact part.
+    """
 
     def __init__(self, cache: KVCache, pre: PrerouterState | None, decode: dict):
         self.cache, self.pre, self.decode = cache, pre, decode
+        self.tokens: list[int] = []
+        self.restored = 0  # of `tokens`, taken from the prefix cache
+        self.exact = 0
+        # recurrent state cannot be cut back: a copy at `exact` tokens, taken before the first
+        # prediction-routed step when there is a prefix cache to offer it to
+        self.held: CacheSnapshot | None = None
 
     @property
     def position(self) -> int:
@@ -186,6 +214,8 @@ class Engine:
         self.tokenizer = load_tokenizer(path)
         self.eos = eos_ids(path, self.tokenizer)
         self._exact = {i: ExactExecutor(pool, i) for i in self.moe_layers}
+        bound = plan.floor.prefix_cache
+        self.prefix_cache = PrefixCache(bound) if bound else None
 
     @property
     def max_context(self) -> int:
@@ -194,7 +224,8 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the counters (pool reads and hits, prerouter staging and drops)."""
         pre = self.prerouter.stats.snapshot() if self.prerouter else PrerouterStats()
-        return EngineStats(self.pool.stats.snapshot(), pre)
+        prefix = self.prefix_cache.stats.snapshot() if self.prefix_cache else PrefixStats()
+        return EngineStats(self.pool.stats.snapshot(), pre, prefix)
 
     def preload_experts(self) -> None:
         """Read every expert into the pool now (the pool must hold them all): a bench's
@@ -204,17 +235,33 @@ class Engine:
             self.pool.wait(entries)
             self.pool.release(entries)
 
-    def new_request(self) -> Request:
-        """Fresh per-request state: an empty cache for the plan's context, no predictions."""
+    def new_request(self, prompt: list[int] | None = None) -> Request:
+        """Per-request state: a cache for the plan's context, no predictions. With `prompt`
+        and a prefix cache, the cache starts with the longest prefix of the prompt that can be
+        reused exactly (`req.position` tokens); prefill `prompt[req.position:]`."""
         cache = self.model.new_cache(self.plan.max_context, self.options.dtype)
         if self.prerouter is None:
-            return Request(cache, None, self._exact)
-        pre = self.prerouter.new_state()
-        decode = {
-            i: StagedExecutor(self.pool, i, pre) if i in self.prerouter.consumers else ex
-            for i, ex in self._exact.items()
-        }
-        return Request(cache, pre, decode)
+            req = Request(cache, None, self._exact)
+        else:
+            pre = self.prerouter.new_state()
+            decode = {
+                i: StagedExecutor(self.pool, i, pre) if i in self.prerouter.consumers else ex
+                for i, ex in self._exact.items()
+            }
+            req = Request(cache, pre, decode)
+        if prompt and self.prefix_cache is not None:
+            req.restored = req.exact = self.prefix_cache.restore(cache, prompt)
+            req.tokens = list(prompt[: req.restored])
+        return req
+
+    def finish(self, req: Request) -> None:
+        """The end of a request: keep a copy of its state for prefix reuse (if the engine has
+        a prefix cache), and unpin what it staged."""
+        try:
+            if self.prefix_cache is not None:
+                self.prefix_cache.save(req.cache, req.tokens[: req.exact], req.held)
+        finally:
+            req.release()
 
     def check_context(self, req: Request, n: int) -> None:
         """ValueError before any compute if n more tokens do not fit the request's context."""
@@ -225,8 +272,10 @@ class Engine:
             )
 
     @torch.inference_mode()
-    def prefill(self, req: Request, ids: list[int]) -> torch.Tensor:
-        """Run prompt tokens (appended to the request's state); returns the last logits [V]."""
+    def prefill(self, req: Request, ids: list[int], last: bool = True) -> torch.Tensor:
+        """Run prompt tokens (appended to the request's state); returns the last logits [V].
+        A prompt may come in several calls; `last=False` says more of it follows, so the heads
+        wait for the end of the prompt to predict (and stage) the first decode token."""
         if not ids:
             raise ValueError("the prompt is empty")
         self.check_context(req, len(ids))
@@ -236,9 +285,12 @@ class Engine:
         executors = {i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers}
         x = torch.tensor([ids], dtype=torch.long)
         try:
-            logits = decode.prefill(self.model, req.cache, x, req.pre, executors)
+            logits = decode.prefill(self.model, req.cache, x, req.pre, executors, last)
         finally:
             plan.release_all()
+        if req.exact == len(req.tokens):
+            req.exact += len(ids)
+        req.tokens += ids
         return logits[0].float()
 
     @torch.inference_mode()
@@ -246,13 +298,21 @@ class Engine:
         """One decode step; returns the next logits [V]. With a prerouter, the consumers route
         by last step's predictions and this step's flush starts the next step's reads."""
         self.check_context(req, 1)
+        exact = req.exact == len(req.tokens)
+        if exact and req.pre is not None and req.cache.recurrent and self.prefix_cache:
+            req.held = req.cache.snapshot()
         x = torch.tensor([[token]], dtype=torch.long)
-        return decode.step(self.model, req.cache, x, req.pre, req.decode)[0].float()
+        logits = decode.step(self.model, req.cache, x, req.pre, req.decode)[0].float()
+        if exact and req.pre is None:  # gate-routed: the same experts as a prefill
+            req.exact += 1
+        req.tokens.append(token)
+        return logits
 
     def generate(
         self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None
     ) -> Generation:
-        """A new request: prefill `prompt`, then sample up to max_tokens. Iterate the result."""
+        """A new request: prefill `prompt` (what the prefix cache does not restore), then
+        sample up to max_tokens. Iterate the result, or advance() it (see Generation)."""
         return Generation(self, prompt, max_tokens, sampling or SamplingParams())
 
     def close(self) -> None:
@@ -266,7 +326,13 @@ class Generation:
     logprobs from the logits it was drawn from (before temperature); it ends at an end-of-text
     token ("stop") or max_tokens ("length"). Breaking out early is allowed: `close()` (or
     reading `stats`) then ends it with finish_reason "stop". Afterwards: tokens, finish_reason,
-    stats."""
+    stats.
+
+    A scheduler runs several at once with `advance()`, one forward per call: a chunk of at
+    most prefill_chunk prompt tokens, or a decode step. Each generation keeps its own state, so
+    the order does not change outputs. (Iterating prefills the prompt in one forward: alone,
+    there is nothing to interleave. The two can differ in the last bits of the logits.)
+    """
 
     def __init__(self, engine: Engine, prompt: list[int], max_tokens: int, sampling):
         if max_tokens < 1:
@@ -282,18 +348,36 @@ class Generation:
         self.sampler = Sampler(sampling)
         self.tokens: list[int] = []
         self.finish_reason = "stop"
+        self.done = False  # nothing more to run: ended, or its last token handed out
         self._stats: GenerationStats | None = None
-        self._it = self._run()
+        self._units: Iterator[tuple[int, torch.Tensor] | None] | None = None
+
+    def _started(self, chunk: int) -> Iterator[tuple[int, torch.Tensor] | None]:
+        if self._units is None:
+            self._units = self._run(chunk)
+        return self._units
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
-        return self._it
+        for item in self._started(len(self.prompt)):
+            if item is not None:
+                yield item
+
+    def advance(self) -> tuple[int, torch.Tensor] | None:
+        """Run one forward: a prompt chunk, or a decode step. Returns the token it sampled, or
+        None (a prompt chunk before the last, or the end: then `done` is set)."""
+        item = next(self._started(self.engine.options.prefill_chunk), None)
+        if self.done:  # its last token handed out: end it now, releasing its pins
+            self.close()
+        return item
 
     def close(self) -> None:
-        self._it.close()
+        if self._units is not None:
+            self._units.close()
+        self.done = True
 
     def drain(self) -> Generation:
         """Run to the end without looking at the tokens as they come; returns self."""
-        for _ in self._it:
+        for _ in self:
             pass
         return self
 
@@ -305,43 +389,64 @@ class Generation:
             self._stats = GenerationStats(prompt_tokens=len(self.prompt))
         return self._stats
 
-    def _run(self) -> Iterator[tuple[int, torch.Tensor]]:
+    def _run(self, chunk: int) -> Iterator[tuple[int, torch.Tensor] | None]:
+        """Yields None after each prompt chunk but the last, then each sampled token."""
         eng = self.engine
-        req = eng.new_request()
         before = eng.stats()
         steps, decode_s, prefill_s, mid = 0, 0.0, 0.0, before
         peaks = memory.PeakSampler()
         peaks.__enter__()
+        req = None
         try:
-            t0 = time.perf_counter()
-            logits = eng.prefill(req, self.prompt)
-            prefill_s = time.perf_counter() - t0
+            req = eng.new_request(self.prompt)
+            pos = req.position
+            while True:
+                ids = self.prompt[pos : pos + chunk]
+                pos += len(ids)
+                t0 = time.perf_counter()
+                logits = eng.prefill(req, ids, last=pos == len(self.prompt))
+                prefill_s += time.perf_counter() - t0
+                if pos == len(self.prompt):
+                    break
+                yield None  # another request may run a forward here
             mid = eng.stats()
             for i in range(self.max_tokens):
                 token = self.sampler(logits)
                 if token in eng.eos:
                     return
                 self.tokens.append(token)
+                last = i + 1 == self.max_tokens
+                if last:
+                    self.finish_reason, self.done = "length", True
                 yield token, torch.log_softmax(logits, dim=-1)
-                if i + 1 == self.max_tokens:
-                    self.finish_reason = "length"
+                if last:
                     return
                 t = time.perf_counter()
                 logits = eng.step(req, token)
                 decode_s += time.perf_counter() - t
                 steps += 1
         finally:
+            self.done = True
             peaks.__exit__(None, None, None)
-            req.release()
-            self._stats = self._fill_stats(eng, before, mid, steps, prefill_s, decode_s, peaks)
+            if req is not None:
+                eng.finish(req)
+            restored = req.restored if req is not None else 0
+            self._stats = self._fill_stats(
+                eng, before, mid, steps, prefill_s, decode_s, peaks, restored
+            )
 
-    def _fill_stats(self, eng, before, mid, steps, prefill_s, decode_s, peaks) -> GenerationStats:
-        """Decode rates count decode steps (forward passes), not the token prefill produced."""
+    def _fill_stats(
+        self, eng, before, mid, steps, prefill_s, decode_s, peaks, restored
+    ) -> GenerationStats:
+        """Decode rates count decode steps (forward passes), not the token prefill produced;
+        the prefill rate counts the prompt tokens prefilled (not those restored)."""
         now = eng.stats()
         total, decode = now.minus(before), now.minus(mid)
         s = GenerationStats(prompt_tokens=len(self.prompt), generated_tokens=len(self.tokens))
+        s.prefix_tokens = restored
         s.prefill_s, s.decode_s = prefill_s, decode_s
-        s.prefill_tok_s = len(self.prompt) / prefill_s if prefill_s > 0 else 0.0
+        prefilled = len(self.prompt) - restored
+        s.prefill_tok_s = prefilled / prefill_s if prefill_s > 0 else 0.0
         s.decode_tok_s = steps / decode_s if decode_s > 0 else 0.0
         s.peak_anon_bytes, s.peak_file_bytes = peaks.peak_anon, peaks.peak_file
         s.bytes_read, s.reads, s.cache_hits = (

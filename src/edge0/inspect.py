@@ -229,8 +229,11 @@ def inspect_dir(
     memory_budget: int | None = None,
     dtype: torch.dtype = torch.float32,
     max_context: int = 4096,
+    max_active: int = 1,
+    prefix_cache: int | None = 0,
 ) -> Report:
-    """Inspect a Hugging Face, MLX or edge0 directory without reading tensor data."""
+    """Inspect a Hugging Face, MLX or edge0 directory without reading tensor data; the memory
+    prediction is the serving plan for these options (EngineOptions' fields of the same name)."""
     path = check_dir(path)
     raw = read_json(path / "config.json", "model configuration")
     cfg = flat_config(raw)
@@ -320,7 +323,12 @@ def inspect_dir(
     )
     if extent is not None:
         options = EngineOptions(
-            top_k=top_k, memory_budget=memory_budget, dtype=dtype, max_context=max_context
+            top_k=top_k,
+            memory_budget=memory_budget,
+            dtype=dtype,
+            max_context=max_context,
+            max_active=max_active,
+            prefix_cache=prefix_cache,
         )
         int4_bytes, int4_params = int4_resident(path, raw, fmt, tensors)
         report.memory = predict_memory(
@@ -510,7 +518,8 @@ def format_report(r: Report) -> str:
             f"  edge0 at {m['dtype']}, K={m['top_k']}, {m['max_context']} tokens of context:",
             f"    floor {_gib(f['total'])} = resident weights {_gib(f['weights'])} + LoRA "
             f"{_gib(f['adapter'])} + prerouter heads {_gib(f['heads'])} + state "
-            f"{_gib(f['state'])} ({m['state_source']})",
+            f"{_gib(f['state'])} ({m['state_source']}, {m['max_active']} active) + prefix cache "
+            f"{_gib(f['prefix_cache'])}",
             f"    experts on disk {_gib(m['experts_bytes'])}; pool {m['pool_slots']} extents "
             f"{_gib(m['pool_bytes'])} (staging needs {m['staging_slots']}); predicted peak "
             f"{_gib(m['predicted_peak_bytes'])}",

@@ -11,3 +11,5 @@ CHAT_MAX_TOKENS = 512
 COMPLETIONS_MAX_TOKENS = 16
 # on SIGTERM / Ctrl-C, the running request gets this long to finish before it is cut
 SHUTDOWN_GRACE_S = 5.0
+# requests `edge0 serve` decodes at once (each holds a KV cache for the whole context)
+SERVE_MAX_ACTIVE = 4

@@ -24,6 +24,12 @@ class EngineOptions:
     cache_dir: Path | None = None  # where "cache" keeps repacked copies (default ~/.cache/edge0)
     dtype: torch.dtype = torch.float32
     max_context: int = 4096  # sizes the KV part of the resident floor
+    # requests decoding at once: each holds its own state at max_context and staging room
+    max_active: int = 1
+    # bytes of finished requests' state kept for prefix reuse (0: none; None: one request's
+    # state at max_context, so a conversation's last turn always fits)
+    prefix_cache: int | None = 0
+    prefill_chunk: int = 256  # prompt tokens per forward; others' steps run between chunks
     prerouter: Path | None = None  # heads file (default: MODEL_DIR/prerouter.safetensors if any)
     no_prerouter: bool = False  # gate-route every layer: the exact path, no heads, no slots
     lora: Path | None = None  # adapter file (default: MODEL_DIR/lora.safetensors if any)

@@ -1,8 +1,9 @@
 """The serving plan: one function turns (model sizes, options) into what the engine allocates.
 
 Every budget rule lives here: the experts per token served (K), the resident floor broken down
-by part, the per-request state allocated for the context, the staging room the prerouter
-needs, and the expert pool in whole extents. The engine, `inspect`, `bench`, `eval` and the
+by part, the per-request state allocated for the context (times the requests decoding at
+once), the prefix cache's bound, the staging room the prerouter needs per active request, and
+the expert pool in whole extents. The engine, `inspect`, `bench`, `eval` and the
 training phases all take their numbers from a plan, so a prediction and an allocation cannot
 disagree (tests pin `inspect`'s plan to the engine's measured allocation).
 """
@@ -51,22 +52,24 @@ class Floor:
     weights: int  # resident float parameters at the compute dtype, plus the int4 ones
     adapter: int  # the recovery LoRA at the compute dtype
     heads: int  # the prerouter heads as stacked for serving, at the compute dtype
-    state: int  # one request's KV cache and recurrent state at max_context
+    state: int  # max_active requests' KV caches and recurrent states at max_context
+    prefix_cache: int = 0  # finished requests' state kept for reuse (a bound, filled on use)
 
     @property
     def total(self) -> int:
-        return self.weights + self.adapter + self.heads + self.state
+        return self.weights + self.adapter + self.heads + self.state + self.prefix_cache
 
 
 @dataclass(frozen=True)
 class ServingPlan:
     top_k: int
     max_context: int
+    max_active: int  # requests decoding at once; floor.state and staging_slots count them all
     dtype: str
     floor: Floor
     extent_bytes: int
     pool_slots: int
-    staging_slots: int  # slots prediction-routed decode keeps pinned (0: no prerouter)
+    staging_slots: int  # slots prediction-routed decode keeps pinned, all active requests
     experts_bytes: int  # every routed expert, on disk
     memory_budget: int | None
     notes: list[str] = field(default_factory=list)
@@ -103,19 +106,30 @@ def make_plan(
         raise ValueError(f"top_k {k} must be between 1 and {sizes.experts_per_layer}")
     if options.max_context < 2:
         raise ValueError(f"max_context must be at least 2, got {options.max_context}")
+    active = options.max_active
+    if active < 1:
+        raise ValueError(f"max_active must be at least 1, got {active}")
+    if options.prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be at least 1, got {options.prefill_chunk}")
+    if options.prefix_cache is not None and options.prefix_cache < 0:
+        raise ValueError(f"prefix_cache must be at least 0 bytes, got {options.prefix_cache}")
     # prompt plus completion, within what the model's positions were trained for
     context = min(options.max_context, sizes.position_limit or options.max_context)
     item = options.dtype.itemsize
+    one_state = sizes.state_bytes(context, options.dtype)
     floor = Floor(
         weights=sizes.resident_params * item + sizes.int4_bytes,
         adapter=sizes.adapter_params * item,
         heads=sizes.head_params * item,  # stacked at the compute dtype (prerouter/head.py)
-        state=sizes.state_bytes(context, options.dtype),
+        state=active * one_state,  # allocated per request, for the whole context
+        prefix_cache=one_state if options.prefix_cache is None else options.prefix_cache,
     )
     extent = sizes.extent_bytes
     all_slots = sizes.moe_layers * sizes.experts_per_layer
-    # a prediction-routed step pins every consumer's staged set plus the layer being read
-    staging = (sizes.prediction_routed_layers + 1) * k if sizes.prediction_routed_layers else 0
+    # A prediction-routed step pins every consumer's staged set plus the layer being read, and
+    # every other active request keeps its staged sets pinned between its steps.
+    layers = sizes.prediction_routed_layers + 1
+    staging = active * layers * k if sizes.prediction_routed_layers else 0
     need = max(k, staging)  # slots decode must be able to pin at once
     notes = []
     if options.expert_cache is not None:
@@ -127,14 +141,18 @@ def make_plan(
         slots, source = max(need, free // 4 // extent), None
         notes.append("no budget: every expert if it fits in a quarter of the free memory")
     if slots < need:
-        what = "prediction-routed decode stages" if staging > k else "decode pins"
-        pins = f"{need} experts of {extent} bytes that {what} ({need // k} layers x {k})"
+        if staging > k:
+            per = f"max_active {active} x " if active > 1 else ""
+            pins = f"prediction-routed decode stages ({per}{layers} layers x {k})"
+        else:
+            pins = f"decode pins (1 layer x {k})"
+        pins = f"{need} experts of {extent} bytes that {pins}"
         if source == "memory_budget":
             missing = memory.format_bytes(floor.total + need * extent - options.memory_budget)
             raise ValueError(
                 f"memory_budget {memory.format_bytes(options.memory_budget)} is below the "
-                f"resident floor {memory.format_bytes(floor.total)} plus the {pins}: "
-                f"{missing} more needed"
+                f"resident floor {memory.format_bytes(floor.total)}{_floor_parts(floor, active)} "
+                f"plus the {pins}: {missing} more needed"
             )
         missing = memory.format_bytes((need - slots) * extent)
         raise ValueError(
@@ -144,6 +162,7 @@ def make_plan(
     return ServingPlan(
         top_k=k,
         max_context=context,
+        max_active=active,
         dtype=str(options.dtype).removeprefix("torch."),
         floor=floor,
         extent_bytes=extent,
@@ -153,6 +172,16 @@ def make_plan(
         memory_budget=options.memory_budget,
         notes=notes,
     )
+
+
+def _floor_parts(floor: Floor, active: int) -> str:
+    """The floor's request-dependent parts, named by the options that size them."""
+    parts = []
+    if active > 1:
+        parts.append(f"state for max_active {active} requests {memory.format_bytes(floor.state)}")
+    if floor.prefix_cache:
+        parts.append(f"prefix_cache {memory.format_bytes(floor.prefix_cache)}")
+    return f" (with {', '.join(parts)})" if parts else ""
 
 
 def _params(path: Path) -> int:

@@ -153,6 +153,76 @@ class KVCache:
         tensors += [t for s in self._state if s is not None for t in s]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (which cannot be cut back to a prefix)."""
+        return any(s is not None for s in self._state)
+
+    def uniform_length(self) -> int | None:
+        """The tokens every layer has seen, or None if a forward stopped partway."""
+        n = self.length[0]
+        return n if all(m == n for m in self.length) else None
+
+    def snapshot_nbytes(self, n: int) -> int:
+        """Bytes a snapshot of the first n positions takes (see snapshot)."""
+        per_position = sum(
+            t[:, :, :1].numel() * t.element_size() for t in self.k + self.v if t is not None
+        )
+        states = sum(t.numel() * t.element_size() for s in self._state if s is not None for t in s)
+        return n * per_position + states
+
+    def snapshot(self, n: int | None = None) -> CacheSnapshot:
+        """A copy of the first n positions (default: all it holds). Attention keys and values
+        can be cut at any n; recurrent states only at the cache's (uniform) length."""
+        length = self.uniform_length()
+        assert length is not None, "snapshot of a cache a forward left half-updated"
+        n = length if n is None else n
+        assert 0 <= n <= length and (n == length or not self.recurrent), (n, length)
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, G, n, *], owning memory
+            return None if t is None else t[:, :, :n].clone(memory_format=torch.contiguous_format)
+
+        states = [None if s is None else tuple(t.clone() for t in s) for s in self._state]
+        return CacheSnapshot(n, [cut(t) for t in self.k], [cut(t) for t in self.v], states)
+
+    def restore(self, snap: CacheSnapshot, n: int) -> None:
+        """Make this cache hold the first n positions of `snap`. Attention keys and values cut
+        back to any n; a recurrent state exists only at the length it was taken at."""
+        if not 0 < n <= min(snap.length, self.max_context):
+            raise ValueError(f"cannot restore {n} positions of a {snap.length}-token snapshot")
+        if snap.recurrent and n != snap.length:
+            raise ValueError(
+                f"a recurrent state of {snap.length} tokens cannot be cut back to {n} tokens"
+            )
+        for i in range(len(self.length)):
+            if self.k[i] is not None:
+                self.k[i][:, :, :n] = snap.k[i][:, :, :n]
+                self.v[i][:, :, :n] = snap.v[i][:, :, :n]
+            if self._state[i] is not None:
+                for buf, saved in zip(self._state[i], snap.state[i], strict=True):
+                    buf.copy_(saved)
+            self.length[i] = n
+
+
+@dataclass
+class CacheSnapshot:
+    """A copy of a KVCache's first `length` positions: keys and values [B, G, length, *] of
+    attention layers, and recurrent layers' states after exactly `length` tokens."""
+
+    length: int
+    k: list[torch.Tensor | None]
+    v: list[torch.Tensor | None]
+    state: list[tuple[torch.Tensor, ...] | None]
+
+    @property
+    def recurrent(self) -> bool:
+        return any(s is not None for s in self.state)
+
+    def nbytes(self) -> int:
+        tensors = [t for t in self.k + self.v if t is not None]
+        tensors += [t for s in self.state if s is not None for t in s]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
 
 def causal_mask(t: int, s: int, device, window: int | None = None) -> torch.Tensor | None:
     """Boolean [T, S] mask (True = attend) for T new tokens after S - T cached ones."""

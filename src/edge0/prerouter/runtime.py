@@ -214,5 +214,8 @@ class PrerouterState:
         }
         rt.stats.head_ns += time.perf_counter_ns() - t0
         rt.stats.flushes += 1
+        for entries in self.staged.values():  # an earlier flush's sets (a prompt fed in parts)
+            rt.pool.release(entries)
+        self.staged.clear()
         for c in rt.consumers:  # in layer order: the earliest consumers need bytes first
             self._stage(c, chosen[c], self.staged)

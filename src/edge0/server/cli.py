@@ -63,7 +63,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--queue-size",
         type=int,
         default=32,
-        help="requests that may wait behind the running one; more get 429 (default 32)",
+        help="requests that may wait behind the active ones; more get 429 (default 32)",
     )
     s.add_argument(
         "--max-body",
@@ -85,7 +85,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="seconds the running request gets to finish on SIGTERM or Ctrl-C before it is "
         f"cut with a 'shutting_down' error (default {limits.SHUTDOWN_GRACE_S:g})",
     )
-    add_engine_args(s)
+    add_engine_args(s, max_active=limits.SERVE_MAX_ACTIVE, prefix_cache=True)
     s.set_defaults(func=cmd_serve)
     return s
 

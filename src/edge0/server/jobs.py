@@ -137,7 +137,7 @@ class Pending:
         except QueueFull as e:
             raise APIError(
                 429,
-                f"{e}; the server runs one generation at a time with "
+                f"{e}; the server runs {worker.max_active} generations at once with "
                 f"{worker.queue_size} waiting at most",
                 type="rate_limit_error",
                 code="queue_full",

@@ -1,7 +1,8 @@
 """Prometheus metrics for GET /metrics, in a registry owned by one app (no global state).
 
-Expert-pool and prerouter counters (reads, bytes, hits, time blocked on reads, staged and
-dropped experts) are read from the engine's stats when scraped, so they also count prefill.
+Expert-pool, prerouter and prefix-cache counters (reads, bytes, hits, time blocked on reads,
+staged and dropped experts, restored prompt tokens) are read from the engine's stats when
+scraped, so they also count prefill.
 Token counts and rates come from the engine's GenerationStats, taken by the generation
 thread when a generation ends, however it ends: a cancelled stream and a cancelled whole
 request count the tokens that were generated alike.
@@ -37,6 +38,15 @@ class EngineCollector(Collector):
             ("edge0_experts_staged", "experts the prerouter requested a token ahead", pre.staged),
             ("edge0_experts_dropped", "routed experts missing from their staged set", pre.dropped),
         ]
+        px = now.prefix
+        rows += [
+            ("edge0_prefix_cache_hits", "requests that restored a prompt prefix", px.hits),
+            (
+                "edge0_prefix_cache_hit_tokens",
+                "prompt tokens restored from the prefix cache instead of prefilled",
+                px.hit_tokens,
+            ),
+        ]
         for name, doc, value in rows:
             yield CounterMetricFamily(name, doc, value=value)
         yield CounterMetricFamily(
@@ -66,7 +76,11 @@ class Metrics:
             ["endpoint", "status"],
             registry=r,
         )
-        self.prompt_tokens = Counter("edge0_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter(
+            "edge0_prompt_tokens",
+            "prompt tokens, those restored from the prefix cache included",
+            registry=r,
+        )
         self.generated = Counter("edge0_generation_tokens", "tokens generated", registry=r)
         self.decode_rate = Gauge(
             "edge0_decode_tokens_per_second", "decode rate of the last request", registry=r
@@ -100,6 +114,12 @@ class Metrics:
         file.set_function(lambda: memory.sample().file_bytes)
         pool = Gauge("edge0_expert_pool_bytes", "capacity of the expert pool", registry=r)
         pool.set(engine.plan.pool_bytes)
+        if engine.prefix_cache is not None:
+            held = engine.prefix_cache
+            prefix = Gauge(
+                "edge0_prefix_cache_bytes", "finished requests' state kept for reuse", registry=r
+            )
+            prefix.set_function(lambda: held.bytes)
         self._peaks = (0, 0)
 
     def response(self, path: str, status: int) -> None:

@@ -1,10 +1,18 @@
 """The generation thread: it alone touches the engine (model, expert pool, KV state).
 
-Requests wait in a bounded FIFO; when it is full, submit() refuses at once (the caller answers
-429) instead of letting waits grow without limit. Each request runs to its end, its max_tokens,
-a stop string, or a cancel (client gone, or the server stopping), which is seen at the next
-token. Detokenization and stop strings are handled here, on the token, so a request stops
-exactly at its stop string. A request's final event is sent after it stops counting as running.
+Scheduling: up to `engine.plan.max_active` requests are active at once, each with its own
+state (KV cache, prerouter features, staged experts), which the serving plan has counted.
+The thread takes the active requests in turn, round robin, and runs one forward of each: a
+decode step, or one chunk of at most prefill_chunk prompt tokens. So no request holds the
+engine while another waits: a newly admitted request runs its first forward after at most one
+forward of each other active request, and a long prompt shares the thread chunk by chunk.
+
+Requests beyond max_active wait in a bounded FIFO and are admitted in arrival order as active
+ones end; when the FIFO is full, submit() refuses at once (the caller answers 429) instead of
+letting waits grow without limit. Each request runs to its end, its max_tokens, a stop string,
+or a cancel (client gone, or the server stopping), which is seen before its next forward.
+Detokenization and stop strings are handled here, on the token, so a request stops exactly at
+its stop string. A request's final event is sent after it stops counting as running.
 """
 
 from __future__ import annotations
@@ -79,6 +87,17 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+class _Active:
+    """An admitted job: its generation and the text it has released so far."""
+
+    def __init__(self, job: Job, gen, tokenizer):
+        self.job, self.gen = job, gen
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stops = StopMatcher(job.stop)
+        self.held = HeldLogprobs()
+        self.started = time.perf_counter()
+
+
 class Worker:
     """Owns the engine on one thread; see the module docstring."""
 
@@ -93,32 +112,33 @@ class Worker:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
         self.engine = engine
         self.queue_size = queue_size
+        self.max_active = engine.plan.max_active
         self.on_generated = on_generated  # every generation that ran, however it ended
         self.tracebacks = tracebacks  # log a failed generation's traceback, not just one line
         self._waiting: collections.deque[Job] = collections.deque()
+        self._active: collections.deque[_Active] = collections.deque()  # next to run first
         self._cv = threading.Condition()
-        self._running: Job | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._mean_s = 1.0  # moving average of a request's time, for Retry-After
 
     @property
     def depth(self) -> int:
-        """Requests waiting plus the one running."""
+        """Requests waiting plus those running."""
         with self._cv:
-            return len(self._waiting) + (self._running is not None)
+            return len(self._waiting) + len(self._active)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="edge0-generate", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Cancel everything and let the thread finish the token it is on."""
+        """Cancel everything and let the thread finish the forward it is on."""
         with self._cv:
             self._stopping = True
             waiting, self._waiting = list(self._waiting), collections.deque()
-            if self._running is not None:
-                self._running.cancel.set()
+            for a in self._active:
+                a.job.cancel.set()
             self._cv.notify_all()
         for job in waiting:
             job.cancel.set()
@@ -129,7 +149,7 @@ class Worker:
 
     def refuse_new(self) -> None:
         """The server is stopping: refuse new requests, and end the waiting ones now (they get
-        SHUTTING_DOWN); the running one goes on until wait_idle() or cancel_running()."""
+        SHUTTING_DOWN); the running ones go on until wait_idle() or cancel_running()."""
         with self._cv:
             self._stopping = True
             waiting, self._waiting = list(self._waiting), collections.deque()
@@ -140,28 +160,30 @@ class Worker:
             job.sink(Done(SHUTTING_DOWN, "", 0))
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Whether nothing runs, waiting up to timeout_s for the running request to end."""
+        """Whether nothing runs, waiting up to timeout_s for the running requests to end."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._running is None, timeout=timeout_s)
+            return self._cv.wait_for(lambda: not self._active, timeout=timeout_s)
 
     def cancel_running(self, reason: str = SHUTTING_DOWN) -> None:
-        """Stop the running request at its next token; it finishes with `reason`."""
+        """Stop the running requests before their next forward; they finish with `reason`."""
         with self._cv:
-            if self._running is not None:
-                self._running.cancel_reason = reason
-                self._running.cancel.set()
+            for a in self._active:
+                a.job.cancel_reason = reason
+                a.job.cancel.set()
 
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")
             if len(self._waiting) >= self.queue_size:
-                raise QueueFull(max(1, math.ceil(self._mean_s * (len(self._waiting) + 1))))
+                ahead = len(self._waiting) + 1
+                wait_s = self._mean_s * math.ceil(ahead / self.max_active)
+                raise QueueFull(max(1, math.ceil(wait_s)))
             self._waiting.append(job)
             self._cv.notify()
 
     def cancel(self, job: Job) -> None:
-        """Stop `job`: dropped at once while it waits, else at its next token."""
+        """Stop `job`: dropped at once while it waits, else before its next forward."""
         job.cancel.set()
         with self._cv:
             try:
@@ -172,51 +194,65 @@ class Worker:
 
     def _loop(self) -> None:
         while True:
+            ended: list[tuple[Job, Event]] = []  # refused at admission
             with self._cv:
-                while not self._waiting and not self._stopping:
+                while not self._active and not (self._waiting and not self._stopping):
+                    if self._stopping:
+                        return
                     self._cv.wait()
-                if self._stopping:
-                    return
-                job = self._running = self._waiting.popleft()
-            t0 = time.perf_counter()
-            if job.cancel.is_set():  # cancelled between cancel()'s flag and its removal
-                final: Event = Done(job.cancel_reason, "", 0)
-            else:
-                try:
-                    final = self._run(job)
-                except Exception as e:  # the thread must outlive a failed request
-                    log.error(
-                        "generation failed: %s: %.200s",
-                        type(e).__name__,
-                        e,
-                        exc_info=e if self.tracebacks else None,
-                    )
-                    final = Failed(f"{type(e).__name__}: {e}")
-            with self._cv:
-                # not running any more before anyone hears it ended: /health then reads 0
-                self._running = None
-                self._mean_s = 0.8 * self._mean_s + 0.2 * (time.perf_counter() - t0)
-                self._cv.notify_all()
-            job.sink(final)
+                while self._waiting and len(self._active) < self.max_active:
+                    self._admit(self._waiting.popleft(), ended)
+                a = self._active[0] if self._active else None
+                self._active.rotate(-1)  # it goes to the back of the line
+            for job, event in ended:
+                job.sink(event)
+            if a is not None:
+                final = self._advance(a)
+                if final is not None:
+                    self._end(a, final)
 
-    def _run(self, job: Job) -> Done:
-        decoder = IncrementalDecoder(self.engine.tokenizer)
-        stops = StopMatcher(job.stop)
-        held = HeldLogprobs()
-        gen = self.engine.generate(job.prompt, job.max_tokens, job.sampling)
-        for token, logprobs in gen:
-            lp = None
-            if job.top_logprobs is not None:
-                lp = token_logprob(logprobs, token, job.top_logprobs)
-            decoded = decoder.push(token)
-            text = stops.push(decoded)
-            job.sink(Token(token, text, held.push(lp, decoded, text)))
-            if stops.stopped or job.cancel.is_set():
+    def _admit(self, job: Job, ended: list[tuple[Job, Event]]) -> None:
+        """Under the lock: make `job` active (its generation starts at its first turn)."""
+        if job.cancel.is_set():  # cancelled between cancel()'s flag and its removal
+            ended.append((job, Done(job.cancel_reason, "", 0)))
+            return
+        try:
+            gen = self.engine.generate(job.prompt, job.max_tokens, job.sampling)
+        except Exception as e:  # e.g. a prompt the engine refuses
+            ended.append((job, self._failed(e)))
+            return
+        self._active.append(_Active(job, gen, self.engine.tokenizer))
+
+    def _advance(self, a: _Active) -> Event | None:
+        """One forward of `a`; its final event if it ended."""
+        job, gen = a.job, a.gen
+        try:
+            if not job.cancel.is_set():
+                item = gen.advance()
+                if item is not None:
+                    token, logprobs = item
+                    lp = None
+                    if job.top_logprobs is not None:
+                        lp = token_logprob(logprobs, token, job.top_logprobs)
+                    decoded = a.decoder.push(token)
+                    text = a.stops.push(decoded)
+                    job.sink(Token(token, text, a.held.push(lp, decoded, text)))
+                if not (gen.done or a.stops.stopped or job.cancel.is_set()):
+                    return None
+            gen.close()
+            return self._done(a)
+        except Exception as e:  # the thread must outlive a failed request
+            try:
                 gen.close()
-                break
+            except Exception as again:
+                log.error("ending a failed generation: %s: %.200s", type(again).__name__, again)
+            return self._failed(e)
+
+    def _done(self, a: _Active) -> Done:
+        gen, job, stops = a.gen, a.job, a.stops
         if self.on_generated is not None:
             self.on_generated(gen.stats)
-        tail = stops.push(decoder.flush())
+        tail = stops.push(a.decoder.flush())
         if not stops.stopped:
             tail += stops.flush()
         if job.cancel.is_set():
@@ -225,5 +261,22 @@ class Worker:
             reason = "stop"
         else:
             reason = gen.finish_reason
-        logprobs = held.finish(tail, stops.stopped)
+        logprobs = a.held.finish(tail, stops.stopped)
         return Done(reason, tail, len(gen.tokens), gen.stats, logprobs)
+
+    def _failed(self, e: Exception) -> Failed:
+        log.error(
+            "generation failed: %s: %.200s",
+            type(e).__name__,
+            e,
+            exc_info=e if self.tracebacks else None,
+        )
+        return Failed(f"{type(e).__name__}: {e}")
+
+    def _end(self, a: _Active, final: Event) -> None:
+        with self._cv:
+            # not running any more before anyone hears it ended: /health then reads 0
+            self._active.remove(a)
+            self._mean_s = 0.8 * self._mean_s + 0.2 * (time.perf_counter() - a.started)
+            self._cv.notify_all()
+        a.job.sink(final)

@@ -1,0 +1,236 @@
+"""Several requests at once: what the serving plan counts for them, and how they share the engine.
+
+The plan counts max_active requests' state and staging room and names what a budget lacks;
+requests advanced in turns get exactly the outputs they get alone; the generation thread runs
+the active requests round robin, a long prompt chunk by chunk; and with 8 concurrent chat
+requests, one of which runs long, the others' first tokens come within the policy's bound
+(at most one forward of each other active request before a request's first one).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from edge0 import builtin
+from edge0.bench.serving import stream_chat
+from edge0.cli_args import with_flags
+from edge0.engine import EngineOptions, load_engine
+from edge0.plan import ModelSizes, make_plan
+from edge0.sampling import SamplingParams
+from edge0.server.app import ServerOptions, create_app
+from edge0.server.worker import Done, Job, Token, Worker
+from test_server import live_server, make_chat_model
+
+# -- the plan -----------------------------------------------------------------------------------
+
+EXTENT = 1024
+
+
+def sizes(**kw) -> ModelSizes:
+    """A model of 4 MoE layers x 8 experts, K=2, 3 prediction-routed layers; 100 B per token."""
+    base = dict(
+        resident_params=1000,
+        moe_layers=4,
+        experts_per_layer=8,
+        extent_bytes=EXTENT,
+        native_top_k=2,
+        served_top_k=None,
+        state_bytes=lambda n, dtype: 100 * n,
+        prediction_routed_layers=3,
+    )
+    return ModelSizes(**(base | kw))
+
+
+def test_the_plan_counts_every_active_request():
+    one = make_plan(sizes(), EngineOptions(max_context=64, memory_budget=1 << 20))
+    three = make_plan(sizes(), EngineOptions(max_context=64, memory_budget=1 << 20, max_active=3))
+    assert one.floor.state == 6400 and three.floor.state == 3 * 6400
+    assert one.staging_slots == (3 + 1) * 2 and three.staging_slots == 3 * one.staging_slots
+    assert three.max_active == 3 and three.floor.prefix_cache == 0
+    auto = make_plan(
+        sizes(), EngineOptions(max_context=64, memory_budget=1 << 20, prefix_cache=None)
+    )
+    assert auto.floor.prefix_cache == 6400  # "auto": one request's state at max_context
+    assert auto.floor.total == one.floor.total + 6400
+
+
+def test_a_budget_too_small_for_the_active_requests_names_what_is_missing():
+    opts = dict(max_context=64, max_active=3, prefix_cache=5000)
+    fits = make_plan(sizes(), EngineOptions(**opts, memory_budget=1 << 20))
+    exact = fits.floor.total + fits.staging_slots * EXTENT
+    assert make_plan(sizes(), EngineOptions(**opts, memory_budget=exact)).pool_slots == 24
+    with pytest.raises(ValueError) as e:
+        make_plan(sizes(), EngineOptions(**opts, memory_budget=exact - 1))
+    msg = str(e.value)
+    assert "memory_budget" in msg and "1 B more needed" in msg, msg
+    assert "max_active 3" in msg and "prefix_cache" in msg and "24 experts" in msg, msg
+    assert "--max-active" in with_flags(msg) and "--prefix-cache" in with_flags(msg)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("max_active", 0), ("prefill_chunk", 0), ("prefix_cache", -1)]
+)
+def test_bad_serving_options_are_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        make_plan(sizes(), EngineOptions(**{field: value}))
+
+
+# -- the engine: requests in turns --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The built-in model (it has prerouter heads: staged experts travel with each request),
+    with small prompt chunks so that prompts take several turns."""
+    e = load_engine(
+        builtin.model_dir(), EngineOptions(io_mode="buffered", max_active=3, prefill_chunk=8)
+    )
+    yield e
+    e.close()
+
+
+def test_a_prompt_fed_in_parts_releases_its_pins(engine):
+    """A prompt may be prefilled in several calls; each flushed the heads and staged, and the
+    earlier staged sets stayed pinned for good (28 slots on the built-in model)."""
+    ids = engine.tokenizer.encode("hello there, how are you doing today? " * 3)
+    with engine.new_request() as req:
+        engine.prefill(req, ids[:10])
+        engine.prefill(req, ids[10:])
+    assert engine.pool.available() == engine.pool.num_slots
+
+
+def test_requests_advanced_in_turns_get_their_solo_outputs(engine):
+    prompts = [
+        engine.tokenizer.encode(t)
+        for t in ("Once upon a time", "The robot looked at the sea and said", "Tom had a dog")
+    ]
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 2
+
+    def alone(i: int) -> list[int]:
+        gen = engine.generate(prompts[i], 12, kinds[i])
+        while not gen.done:
+            gen.advance()
+        return gen.tokens
+
+    solo = [alone(i) for i in range(3)]
+    gens = [engine.generate(prompts[i], 12, kinds[i]) for i in range(3)]
+    while not all(g.done for g in gens):
+        for g in gens:
+            if not g.done:
+                g.advance()
+    assert [g.tokens for g in gens] == solo
+    assert engine.pool.available() == engine.pool.num_slots  # every pin released
+
+
+# -- the generation thread ----------------------------------------------------------------------
+
+
+def run_jobs(worker: Worker, jobs: list[Job], events: list) -> None:
+    worker.start()
+    try:
+        for job in jobs:
+            worker.submit(job)
+        deadline = time.monotonic() + 120
+        while sum(isinstance(e, Done) for _, e in events) < len(jobs):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+
+
+def test_the_generation_thread_takes_turns_and_chunks_long_prompts(engine):
+    """A long prompt (10 chunks of 8 tokens) submitted first does not keep a short request
+    waiting: the short one's tokens come between the long prompt's chunks."""
+    events: list[tuple[str, object]] = []
+    lock = threading.Lock()
+
+    def sink(name):
+        def put(event):
+            with lock:
+                events.append((name, event))
+
+        return put
+
+    long = engine.tokenizer.encode("The little robot read a book about the sea. " * 8)[:80]
+    short = engine.tokenizer.encode("Once upon a time")
+    greedy = SamplingParams(temperature=0)
+    jobs = [Job(long, 4, greedy, sink("long")), Job(short, 4, greedy, sink("short"))]
+    worker = Worker(engine)
+    assert worker.max_active == 3
+    run_jobs(worker, jobs, events)
+    short_done = next(i for i, (n, e) in enumerate(events) if n == "short" and isinstance(e, Done))
+    long_first = next(i for i, (n, e) in enumerate(events) if n == "long" and isinstance(e, Token))
+    assert short_done < long_first, events  # all of the short one ran during the long prompt
+
+
+# -- 8 concurrent chat requests over HTTP -------------------------------------------------------
+
+ACTIVE = 8
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    opts = EngineOptions(max_context=512, max_active=ACTIVE, prefill_chunk=64)
+    e = load_engine(make_chat_model(tmp_path_factory.mktemp("fair")), opts)
+    # no default cap: a request without max_tokens runs to the end of the context
+    app = create_app(e, ServerOptions(model_name="tiny", queue_size=8, default_max_tokens=None))
+    with live_server(app) as url:
+        yield int(url.rsplit(":", 1)[1])
+    e.close()
+    torch.set_num_threads(threads)
+
+
+def chat(i: int, max_tokens: int | None) -> tuple[list[dict], int | None]:
+    content = f"{['def', 'class', 'import', 'print'][i % 4]} {i}"
+    return [{"role": "user", "content": content}], max_tokens
+
+
+def first_token(port: int, request, started: threading.Event | None = None) -> dict:
+    """Seconds to the first content token of a streamed greedy chat, and the gaps after it."""
+    return stream_chat(port, *request, started=started)
+
+
+@pytest.mark.slow
+def test_eight_concurrent_requests_are_not_held_behind_a_long_one(server):
+    """The policy's bound: a request admitted while 7 others are active runs its first forward
+    after at most one forward of each of them (a decode step, or a prompt chunk: at most what
+    a request's first token costs alone), so its first token comes within its own time alone
+    plus 7 times the slowest time alone; doubled for a shared machine. One request at a time
+    (the policy before) would have them all wait for the long one's ~500 tokens.
+
+    Not asserted: issue 16's tighter bound (twice the time alone plus one decode step per
+    active request). Seven prompts arriving at once are prefilled one after another, so the
+    last one waits for six prefills; `edge0 bench --serving` measures that bound."""
+    others = [chat(i, 16) for i in range(1, ACTIVE)]
+    first_token(server, others[0])  # warm-up
+    alone = [first_token(server, r)["first_s"] for r in others]
+
+    def trial() -> tuple[list[float], list[float], dict]:
+        long_started = threading.Event()
+        with ThreadPoolExecutor(ACTIVE) as pool:
+            # the one without max_tokens, running when the others arrive
+            runner = pool.submit(first_token, server, chat(0, None), long_started)
+            assert long_started.wait(60)
+            firsts = list(pool.map(lambda r: first_token(server, r)["first_s"], others))
+            long = runner.result()
+        bounds = [2 * (a + (ACTIVE - 1) * max(alone)) for a in alone]
+        return firsts, bounds, long
+
+    for _ in range(3):  # a shared machine can stall any single trial; the bound holds in one
+        firsts, bounds, long = trial()
+        print(
+            f"alone {[round(a, 3) for a in alone]}; together {[round(f, 3) for f in firsts]}; "
+            f"bounds {[round(b, 3) for b in bounds]}; the long one {long['total_s']:.2f} s"
+        )
+        if all(f <= b for f, b in zip(firsts, bounds, strict=True)):
+            break
+    assert all(f <= b for f, b in zip(firsts, bounds, strict=True)), (firsts, bounds)
+    assert len(long["gaps"]) + 1 > 100  # it ran long: what the others had to share the thread with
+    assert max(firsts) < long["total_s"] / 4  # they did not wait for it
