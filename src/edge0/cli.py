@@ -21,6 +21,7 @@ from edge0.cli_args import (
     config_from_args,
     default_model_dir,
     engine_options,
+    prefix_cache_size,
     sampling_params,
     with_flags,
 )
@@ -117,6 +118,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.peer:
         return bench_peer(args)
+    if args.serving:
+        from edge0.bench import serving
+
+        summary = serving.run_serving(
+            args.model_dir or default_model_dir(),
+            serving.ServingConfig(rounds=args.rounds, threads=args.threads),
+        )
+        print(serving.report(summary))
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        return 0
     from edge0.bench.ab import BenchConfig, report, run_bench
 
     model_dir = args.model_dir or default_model_dir()
@@ -214,6 +226,19 @@ def add_inspect_parser(sub) -> None:
         help="compute dtype of resident weights (the engine's default: float32)",
     )
     p.add_argument("--max-context", type=int, default=4096, help="tokens of KV/state to budget")
+    p.add_argument(
+        "--max-active",
+        type=int,
+        default=1,
+        help="requests decoding at once, as `edge0 serve --max-active` (default 1)",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        type=prefix_cache_size,
+        default=0,
+        help="prefix cache bytes, as `edge0 serve --prefix-cache` ('auto': one request's "
+        "state; default 0)",
+    )
     p.set_defaults(func=cmd_inspect)
 
 
@@ -226,6 +251,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         memory_budget=args.memory_budget,
         dtype=getattr(torch, args.dtype),
         max_context=args.max_context,
+        max_active=args.max_active,
+        prefix_cache=args.prefix_cache,
     )
     print(
         json.dumps(report.as_dict(), indent=2) if args.json else with_flags(format_report(report))
@@ -358,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="scratch file size for --io (default 2G)",
     )
     b.add_argument("--keep", action="store_true", help="keep the --io scratch file")
+    b.add_argument(
+        "--serving",
+        action="store_true",
+        help="8 concurrent chats with --max-active 1 vs 8, and a 3-turn chat's turn-2 time to "
+        "first token with and without the prefix cache, each on its own `edge0 serve`",
+    )
     pg = b.add_argument_group(
         "peer", "edge0 bench --peer llama.cpp [HF_DIR]: side by side with llama.cpp (docs/peer.md)"
     )
