@@ -127,6 +127,62 @@ def test_requests_advanced_in_turns_get_their_solo_outputs(engine):
     assert engine.pool.available() == engine.pool.num_slots  # every pin released
 
 
+@pytest.fixture(scope="module")
+def whole_prompts():
+    """The built-in model with its default prompt chunk, and a prefix cache."""
+    e = load_engine(
+        builtin.model_dir(), EngineOptions(io_mode="buffered", max_active=3, prefix_cache=None)
+    )
+    yield e
+    e.close()
+
+
+def test_prompts_prefilled_together_decode_as_they_do_alone(whole_prompts):
+    """Three fresh prompts of different lengths in one right-padded forward: each request's
+    logits, staged experts and tokens are those it gets alone."""
+    engine = whole_prompts
+    tok = engine.tokenizer
+    texts = ("Once upon a time", "The robot looked at the sea and said", "Tom had a big red dog")
+    prompts = [tok.encode(t) for t in texts]
+    assert len({len(p) for p in prompts}) == 3
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 2
+    solo_logits, solo_staged = [], []
+    for ids in prompts:
+        with engine.new_request() as req:
+            solo_logits.append(engine.prefill(req, ids))
+            solo_staged.append({c: sorted(e.key for e in v) for c, v in req.pre.staged.items()})
+    reqs = [engine.new_request() for _ in prompts]
+    together = engine.prefill_together(reqs, prompts)
+    for req, got, want, staged in zip(reqs, together, solo_logits, solo_staged, strict=True):
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+        assert {c: sorted(e.key for e in v) for c, v in req.pre.staged.items()} == staged
+        req.release()
+    solo = []
+    for i, ids in enumerate(prompts):
+        gen = engine.generate(ids, 12, kinds[i])
+        while not gen.done:
+            gen.advance()
+        solo.append(gen.tokens)
+    engine.prefix_cache.clear()
+    gens = [engine.generate(ids, 12, kinds[i]) for i, ids in enumerate(prompts)]
+    engine.start_together(gens)
+    assert all(g._prefilled is not None for g in gens)
+    while not all(g.done for g in gens):
+        for g in gens:
+            if not g.done:
+                g.advance()
+    assert [g.tokens for g in gens] == solo
+    assert engine.pool.available() == engine.pool.num_slots  # every pin released
+    # a prompt the prefix cache holds a prefix of restores it and prefills the rest itself
+    again = [engine.generate(ids + tok.encode(" again"), 4) for ids in prompts[:2]]
+    again.append(engine.generate(tok.encode("A new story"), 4))
+    again.append(engine.generate(tok.encode("Another new story"), 4))
+    engine.start_together(again)
+    assert [g._prefilled is not None for g in again] == [False, False, True, True]
+    assert [g.drain().stats.prefix_tokens > 0 for g in again] == [True, True, False, False]
+    assert engine.pool.available() == engine.pool.num_slots
+
+
 # -- the generation thread ----------------------------------------------------------------------
 
 

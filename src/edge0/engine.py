@@ -29,6 +29,7 @@ import torch
 
 from edge0 import decode, int4_layout, lora, memory, modeldir
 from edge0.loader import load_edge0_model
+from edge0.models.base import Forward
 from edge0.models.layers import CacheSnapshot, KVCache
 from edge0.options import EngineOptions
 from edge0.plan import ServingPlan, make_plan, model_dir_sizes
@@ -235,10 +236,11 @@ class Engine:
             self.pool.wait(entries)
             self.pool.release(entries)
 
-    def new_request(self, prompt: list[int] | None = None) -> Request:
+    def new_request(self, prompt: list[int] | None = None, reuse: bool = True) -> Request:
         """Per-request state: a cache for the plan's context, no predictions. With `prompt`
         and a prefix cache, the cache starts with the longest prefix of the prompt that can be
-        reused exactly (`req.position` tokens); prefill `prompt[req.position:]`."""
+        reused exactly (`req.position` tokens, none with reuse=False); prefill
+        `prompt[req.position:]`."""
         cache = self.model.new_cache(self.plan.max_context, self.options.dtype)
         if self.prerouter is None:
             req = Request(cache, None, self._exact)
@@ -249,7 +251,7 @@ class Engine:
                 for i, ex in self._exact.items()
             }
             req = Request(cache, pre, decode)
-        if prompt and self.prefix_cache is not None:
+        if prompt and reuse and self.prefix_cache is not None:
             req.restored = req.exact = self.prefix_cache.restore(cache, prompt)
             req.tokens = list(prompt[: req.restored])
         return req
@@ -294,6 +296,51 @@ class Engine:
         return logits[0].float()
 
     @torch.inference_mode()
+    def prefill_together(self, reqs: list[Request], prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Prefill several fresh requests' whole prompts in one forward; returns each one's
+        last logits [V]. Prompts are right-padded to the longest: causal attention keeps a
+        position from seeing the padding after it, each request's cache gets its own positions
+        copied, and its prerouter features are its own rows'. Not for recurrent layers, whose
+        state would run on through the padding, nor for a request holding restored tokens."""
+        if self.model.new_cache(1, device="meta").recurrent:
+            raise ValueError("recurrent layers cannot be prefilled together (right padding)")
+        lengths = [len(ids) for ids in prompts]
+        if not all(lengths) or any(req.position for req in reqs):
+            raise ValueError("prefill_together takes non-empty prompts of fresh requests")
+        for req, n in zip(reqs, lengths, strict=True):
+            self.check_context(req, n)
+        t = max(lengths)
+        x = torch.tensor([ids + [0] * (t - len(ids)) for ids in prompts], dtype=torch.long)
+        batch = self.model.new_cache(t, self.options.dtype, batch=len(reqs))
+        plan = PrefillPlan(
+            self.pool, self.moe_layers, self.config.num_experts, sum(lengths) * self.top_k
+        )
+        executors = {i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers}
+        observer = None
+        if self.prerouter is not None:
+            states = [req.pre for req in reqs]
+
+            def observer(layer, h, logits, indices):  # each request sees its own rows
+                rows = [a.view(len(reqs), t, -1) for a in (h, logits, indices)]
+                for i, (pre, n) in enumerate(zip(states, lengths, strict=True)):
+                    pre.observe(layer, *(a[i, :n] for a in rows))
+
+        fwd = Forward(batch, observer=observer, executors=executors)
+        try:
+            h = self.model.hidden(x, fwd)  # [B, T, D]
+        finally:
+            plan.release_all()
+        last = h[torch.arange(len(reqs)), torch.tensor(lengths) - 1]  # [B, D]
+        logits = self.model.logits(last[:, None])[:, 0].float()  # [B, V]
+        for i, (req, ids) in enumerate(zip(reqs, prompts, strict=True)):
+            req.cache.copy_row(batch, i, len(ids))
+            if req.pre is not None:
+                req.pre.flush()  # heads on the last prompt position, as decode.prefill
+            req.exact += len(ids)
+            req.tokens += ids
+        return list(logits)
+
+    @torch.inference_mode()
     def step(self, req: Request, token: int) -> torch.Tensor:
         """One decode step; returns the next logits [V]. With a prerouter, the consumers route
         by last step's predictions and this step's flush starts the next step's reads."""
@@ -314,6 +361,45 @@ class Engine:
         """A new request: prefill `prompt` (what the prefix cache does not restore), then
         sample up to max_tokens. Iterate the result, or advance() it (see Generation)."""
         return Generation(self, prompt, max_tokens, sampling or SamplingParams())
+
+    def start_together(self, gens: list[Generation]) -> None:
+        """Prefill, in one forward, the prompts of those `gens` that have not started and fit
+        one prompt chunk (each then starts decoding from its own logits); the others are left
+        to prefill themselves. Seven chat requests arriving at once then wait for one batched
+        prefill, not for six others' in turn. A prompt the prefix cache holds at least half of,
+        and a model with recurrent layers, take the usual path."""
+        if self.model.new_cache(1, device="meta").recurrent:
+            return
+        chunk = self.options.prefill_chunk
+        fresh = [
+            g
+            for g in gens
+            if isinstance(g, Generation)
+            and g._units is None
+            and g._req is None
+            and 0 < len(g.prompt) <= chunk
+        ]
+        if len(fresh) < 2:
+            return
+        before = self.stats()
+        for g in fresh:  # each keeps its request, with what the prefix cache restored
+            # a few shared tokens (a chat template's opening) are not worth leaving the batch
+            held = self.prefix_cache.match(g.prompt) if self.prefix_cache is not None else 0
+            g._req = self.new_request(g.prompt, reuse=2 * held >= len(g.prompt))
+        batch = [g for g in fresh if g._req.position == 0]
+        if len(batch) < 2:
+            return
+        t0 = time.perf_counter()
+        try:
+            logits = self.prefill_together([g._req for g in batch], [g.prompt for g in batch])
+        except BaseException:
+            for g in fresh:
+                g._req.release()
+                g._req = None
+            raise
+        seconds = time.perf_counter() - t0
+        for g, out in zip(batch, logits, strict=True):
+            g._prefilled = (out, seconds, before)
 
     def close(self) -> None:
         if self.prerouter is not None:
@@ -351,6 +437,10 @@ class Generation:
         self.done = False  # nothing more to run: ended, or its last token handed out
         self._stats: GenerationStats | None = None
         self._units: Iterator[tuple[int, torch.Tensor] | None] | None = None
+        # set by Engine.start_together(): its request, and if its prompt ran in the batch,
+        # (the prompt's last logits, prefill seconds, the engine's stats before)
+        self._req: Request | None = None
+        self._prefilled: tuple[torch.Tensor, float, EngineStats] | None = None
 
     def _started(self, chunk: int) -> Iterator[tuple[int, torch.Tensor] | None]:
         if self._units is None:
@@ -370,9 +460,16 @@ class Generation:
             self.close()
         return item
 
+    @property
+    def started(self) -> bool:
+        """Whether it has a request yet (its first forward ran, or start_together began it)."""
+        return self._units is not None or self._req is not None
+
     def close(self) -> None:
         if self._units is not None:
             self._units.close()
+        elif self._req is not None:  # prefilled by start_together, never run: unpin it
+            self._req.release()
         self.done = True
 
     def drain(self) -> Generation:
@@ -398,17 +495,20 @@ class Generation:
         peaks.__enter__()
         req = None
         try:
-            req = eng.new_request(self.prompt)
-            pos = req.position
-            while True:
-                ids = self.prompt[pos : pos + chunk]
-                pos += len(ids)
-                t0 = time.perf_counter()
-                logits = eng.prefill(req, ids, last=pos == len(self.prompt))
-                prefill_s += time.perf_counter() - t0
-                if pos == len(self.prompt):
-                    break
-                yield None  # another request may run a forward here
+            req = self._req or eng.new_request(self.prompt)
+            if self._prefilled is not None:  # its prompt ran in a batch (start_together)
+                logits, prefill_s, before = self._prefilled
+            else:
+                pos = req.position
+                while True:
+                    ids = self.prompt[pos : pos + chunk]
+                    pos += len(ids)
+                    t0 = time.perf_counter()
+                    logits = eng.prefill(req, ids, last=pos == len(self.prompt))
+                    prefill_s += time.perf_counter() - t0
+                    if pos == len(self.prompt):
+                        break
+                    yield None  # another request may run a forward here
             mid = eng.stats()
             for i in range(self.max_tokens):
                 token = self.sampler(logits)

@@ -70,13 +70,28 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def match(self, prompt: list[int]) -> int:
+        """How many tokens of `prompt` restore() would restore (nothing is copied or counted)."""
+        return self._best(prompt)[0]
+
     def restore(self, cache: KVCache, prompt: list[int]) -> int:
         """Copy the longest reusable prefix of `prompt` into the empty `cache`; returns its
         length in tokens (0: nothing reusable, the cache is untouched)."""
         self.stats.lookups += 1
+        best, best_key = self._best(prompt)
+        if best_key is None:
+            return 0
+        self._entries.move_to_end(best_key)
+        cache.restore(self._entries[best_key].snap, best)
+        self.stats.hits += 1
+        self.stats.hit_tokens += best
+        return best
+
+    def _best(self, prompt: list[int]) -> tuple[int, int | None]:
+        """The longest reusable prefix of `prompt`: (its length, the entry's key or None)."""
         limit = len(prompt) - MIN_PREFILL
         if limit < 1 or not self._entries:
-            return 0
+            return 0, None
         ids = torch.tensor(prompt, dtype=torch.long)
         best, best_key = 0, None
         for key, entry in self._entries.items():
@@ -85,13 +100,7 @@ class PrefixCache:
                 continue  # its recurrent state is only right at its own length
             if n > best:
                 best, best_key = n, key
-        if best_key is None:
-            return 0
-        self._entries.move_to_end(best_key)
-        cache.restore(self._entries[best_key].snap, best)
-        self.stats.hits += 1
-        self.stats.hit_tokens += best
-        return best
+        return best, best_key
 
     def save(self, cache: KVCache, tokens: list[int], held: CacheSnapshot | None = None) -> None:
         """Keep a copy of the state of `tokens`: the first len(tokens) positions of `cache`,

@@ -8,6 +8,9 @@ Each arm is its own `edge0 serve` process; rounds rotate the arms' order.
   active request runs one forward in turn), and each one's time alone on the same server.
   The acceptance bound per request: twice its time alone plus one decode step per active
   request.
+- prefill: the 7 short chats' prompts prefilled one after another against in one batched
+  forward (Engine.prefill_together), in this process: the compute a simultaneous arrival
+  costs.
 - prefix: a 3-turn chat whose first user turn is about 1,000 tokens. Turn 2's time to first
   token with `--prefix-cache auto` against `--prefix-cache 0`, and whether the texts agree.
 """
@@ -164,6 +167,42 @@ def concurrency_arm(model_dir: Path, active: int, cfg: ServingConfig) -> dict:
     }
 
 
+def prefill_arm(model_dir: Path, cfg: ServingConfig, reps: int = 5) -> dict:
+    """Seconds to prefill the short chats' prompts one by one, and together in one forward."""
+    import torch
+
+    from edge0.engine import load_engine
+    from edge0.options import EngineOptions
+    from edge0.prompt import ChatTemplate
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    engine = load_engine(model_dir, EngineOptions(max_active=CONCURRENT))
+    try:
+        template = ChatTemplate(engine.tokenizer)
+        prompts = [template.render(c).ids for c in short_chats()]
+        serial, together = [], []
+        for _ in range(reps + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            for ids in prompts:
+                with engine.new_request() as req:
+                    engine.prefill(req, ids)
+            t1 = time.perf_counter()
+            reqs = [engine.new_request() for _ in prompts]
+            engine.prefill_together(reqs, prompts)
+            for req in reqs:
+                req.release()
+            serial.append(t1 - t0)
+            together.append(time.perf_counter() - t1)
+    finally:
+        engine.close()
+    return {
+        "prompt_tokens": [len(p) for p in prompts],
+        "serial_s": statistics.median(serial[1:]),
+        "together_s": statistics.median(together[1:]),
+    }
+
+
 def prefix_arm(model_dir: Path, prefix: str, cfg: ServingConfig) -> dict:
     server = Server(model_dir, ["--prefix-cache", prefix], cfg.threads)
     try:
@@ -200,7 +239,7 @@ def run_serving(model_dir: Path, cfg: ServingConfig) -> dict:
         for prefix in ["auto", "0"] if r % 2 == 0 else ["0", "auto"]:
             row = prefix_arm(model_dir, prefix, cfg)
             pref.setdefault(row["arm"], []).append(row)
-    return {"concurrency": conc, "prefix": pref}
+    return {"concurrency": conc, "prefill": prefill_arm(model_dir, cfg), "prefix": pref}
 
 
 def report(summary: dict) -> str:
@@ -215,6 +254,12 @@ def report(summary: dict) -> str:
                 f"median {statistics.median(row['alone_first_s']):.3f} s; within bound "
                 f"{row['within_bound']}/{len(row['together_first_s'])}"
             )
+    p = summary["prefill"]
+    lines.append(
+        f"prefill of the {len(p['prompt_tokens'])} prompts ({min(p['prompt_tokens'])}-"
+        f"{max(p['prompt_tokens'])} tokens): one after another {p['serial_s'] * 1e3:.1f} ms, "
+        f"in one forward {p['together_s'] * 1e3:.1f} ms ({p['serial_s'] / p['together_s']:.1f}x)"
+    )
     lines.append("3-turn chat, ~1,000-token first turn; time to first token per turn:")
     texts = {}
     for arm, rows in summary["prefix"].items():

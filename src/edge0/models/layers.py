@@ -185,6 +185,16 @@ class KVCache:
         states = [None if s is None else tuple(t.clone() for t in s) for s in self._state]
         return CacheSnapshot(n, [cut(t) for t in self.k], [cut(t) for t in self.v], states)
 
+    def copy_row(self, batch: KVCache, row: int, n: int) -> None:
+        """Make this (empty, one-row) cache hold the first n positions of `batch`'s row `row`:
+        keys and values only (a recurrent state cannot be cut to a row's length)."""
+        assert not self.recurrent and not any(self.length), "copy_row into a fresh attention cache"
+        for i in range(len(self.length)):
+            if self.k[i] is not None:
+                self.k[i][:, :, :n] = batch.k[i][row : row + 1, :, :n]
+                self.v[i][:, :, :n] = batch.v[i][row : row + 1, :, :n]
+            self.length[i] = n
+
     def restore(self, snap: CacheSnapshot, n: int) -> None:
         """Make this cache hold the first n positions of `snap`. Attention keys and values cut
         back to any n; a recurrent state exists only at the length it was taken at."""

@@ -6,6 +6,10 @@ The thread takes the active requests in turn, round robin, and runs one forward 
 decode step, or one chunk of at most prefill_chunk prompt tokens. So no request holds the
 engine while another waits: a newly admitted request runs its first forward after at most one
 forward of each other active request, and a long prompt shares the thread chunk by chunk.
+When a request's first turn comes, every other active request that has not started yet
+starts with it: their prompts (each within one chunk) prefill in one forward
+(Engine.start_together), so the last of seven chat requests arriving together waits for one
+batched prefill, not for six others in turn.
 
 Requests beyond max_active wait in a bounded FIFO and are admitted in arrival order as active
 ones end; when the FIFO is full, submit() refuses at once (the caller answers 429) instead of
@@ -204,8 +208,16 @@ class Worker:
                     self._admit(self._waiting.popleft(), ended)
                 a = self._active[0] if self._active else None
                 self._active.rotate(-1)  # it goes to the back of the line
+                # its turn to start: those admitted since start with it
+                unstarted = (
+                    []
+                    if a is None
+                    else [b for b in self._active if not getattr(b.gen, "started", True)]
+                )
             for job, event in ended:
                 job.sink(event)
+            if a in unstarted and len(unstarted) > 1 and not self._start_together(unstarted):
+                continue
             if a is not None:
                 final = self._advance(a)
                 if final is not None:
@@ -222,6 +234,20 @@ class Worker:
             ended.append((job, self._failed(e)))
             return
         self._active.append(_Active(job, gen, self.engine.tokenizer))
+
+    def _start_together(self, admitted: list[_Active]) -> bool:
+        """Requests not started yet prefill their prompts in one forward when the first of
+        them has its turn (see Engine.start_together); if that fails, they fail. Whether the
+        loop goes on as usual."""
+        try:
+            self.engine.start_together([a.gen for a in admitted])
+            return True
+        except Exception as e:
+            failed = self._failed(e)
+            for a in admitted:
+                a.gen.close()
+                self._end(a, failed)
+            return False
 
     def _advance(self, a: _Active) -> Event | None:
         """One forward of `a`; its final event if it ended."""
