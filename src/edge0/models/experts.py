@@ -63,6 +63,9 @@ def _grouped_mm_aligned(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) ->
     return (x.shape[-1] * size) % 16 == 0 and (w2.shape[-1] * size) % 16 == 0
 
 
+# torch 2.13's fake-tensor (meta) kernel of grouped_mm accepts only bf16, so torch.compile
+# cannot trace it in fp32: the layer's expert computation runs eagerly between graphs.
+@torch.compiler.disable
 def grouped_swiglu(
     x: torch.Tensor, indices: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
