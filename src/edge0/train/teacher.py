@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -257,6 +258,11 @@ def train_teacher(
     while step < total and not prog.stopped_early and step != stop_at:
         lr = common.cosine_lr(step, total, cfg.lr, cfg.warmup, cfg.min_lr)
         ce, aux = train_step(order.batch_at(data.train, step), lr)
+        if not math.isfinite(ce):
+            raise FloatingPointError(
+                f"step {step + 1}: training loss is {ce}, the run diverged; lower --lr "
+                f"(now {cfg.lr}) and start over in a new OUT_DIR"
+            )
         step += 1
         entry = {
             "step": step,
