@@ -97,6 +97,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.train_step:
+        from edge0.bench import train_step
+
+        summary = train_step.run(args.train_step, args.train_steps, rounds=args.rounds)
+        print(train_step.report(summary))
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        return 0
     if args.kernels:
         from edge0.bench import kernels
 
@@ -385,6 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="scratch file size for --io (default 2G)",
     )
     b.add_argument("--keep", action="store_true", help="keep the --io scratch file")
+    b.add_argument(
+        "--train-step",
+        nargs="+",
+        metavar="ARM",
+        default=None,
+        help="time teacher training steps per arm, e.g. loop:experts=loop,threads=1 "
+        "grouped:threads=1 (TeacherConfig fields, threads, experts=grouped|loop)",
+    )
+    b.add_argument("--train-steps", type=int, default=8, help="timed steps per --train-step arm")
     b.add_argument(
         "--serving",
         action="store_true",

@@ -14,13 +14,28 @@ from edge0.plan import resolve_top_k
 def cmd_train_teacher(args: argparse.Namespace) -> int:
     from edge0.train.teacher import TeacherConfig, train_teacher
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     cfg = config_from_args(TeacherConfig, args, top_k="native_top_k")
-    cfg.data = tuple(args.data)
-    summary = train_teacher(args.out_dir, cfg, progress=not args.quiet)
+    cfg.data, cfg.extra_train = tuple(args.data), tuple(args.extra_train)
+    summary = train_teacher(args.out_dir, cfg, progress=not args.quiet, stop_at=args.stop_at)
+    print("| pass | step | held-out ppl | clean held-out ppl | train ppl |\n|---|---|---|---|---|")
+    for p in summary["passes"]:
+        print(
+            f"| {p['pass']} | {p['step']} | {p['heldout_ppl']:.3f} | "
+            f"{p['heldout_clean_ppl']:.3f} | {p['train_ppl']:.3f} |"
+        )
+    if not summary["finished"]:
+        print(f"stopped at step {summary['steps']}; the same command continues the run")
+        return 0
+    early = ", stopped early" if summary["stopped_early"] else ""
     print(
-        f"teacher in {args.out_dir}: {summary['steps']} steps, "
-        f"{summary['train_tokens']} training tokens, held-out perplexity "
-        f"{summary['heldout_ppl']:.2f}"
+        f"teacher in {args.out_dir}: {summary['steps']} steps{early}, "
+        f"{summary['train_tokens']} training tokens; weights of step {summary['best_step']}: "
+        f"held-out perplexity {summary['heldout_ppl']:.2f} "
+        f"(clean part {summary['heldout_clean_ppl']:.2f})"
     )
     return 0
 
@@ -92,10 +107,26 @@ def add_train_parsers(sub) -> None:
     tsub = t.add_subparsers(dest="phase", required=True)
     te = tsub.add_parser("teacher", help="pre-train a small Qwen3-MoE on the stdlib corpus")
     te.add_argument("out_dir", type=Path)
-    te.add_argument("--steps", type=int, default=1200)
+    te.add_argument(
+        "--passes", type=int, default=4, help="passes over the training text (default 4)"
+    )
+    te.add_argument(
+        "--steps", type=int, default=None, help="train exactly this many steps instead of --passes"
+    )
     te.add_argument("--batch", type=int, default=8)
     te.add_argument("--seq-len", type=int, default=256)
     te.add_argument("--lr", type=float, default=3e-3)
+    te.add_argument("--min-lr", type=float, default=3e-4)
+    te.add_argument("--warmup", type=int, default=100, help="warm-up steps")
+    te.add_argument(
+        "--patience",
+        type=int,
+        default=1,
+        help="stop after this many passes without a better held-out perplexity (default 1)",
+    )
+    te.add_argument(
+        "--eval-every", type=int, default=0, help="also evaluate every N steps within a pass"
+    )
     te.add_argument("--layers", type=int, default=8)
     te.add_argument("--hidden", type=int, default=256)
     te.add_argument("--experts", type=int, default=32)
@@ -104,13 +135,35 @@ def add_train_parsers(sub) -> None:
     te.add_argument("--vocab", type=int, default=8192)
     te.add_argument("--seed", type=int, default=0)
     te.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
+    te.add_argument("--threads", type=int, default=None, help="torch compute threads")
+    te.add_argument(
+        "--compile", action="store_true", help="torch.compile the training step (inductor)"
+    )
+    te.add_argument(
+        "--autocast-bf16",
+        action="store_true",
+        help="bf16 autocast (pays off only where the CPU or GPU has native bf16)",
+    )
+    te.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        help="stop after this global step, checkpointed; the same command continues later",
+    )
     te.add_argument(
         "--data",
         nargs="+",
         default=["stdlib"],
         help="text files or directories, or 'stdlib' (default)",
     )
-
+    te.add_argument(
+        "--extra-train",
+        nargs="+",
+        default=[],
+        help="train-only text: 'site-packages' (this Python's third-party code) or paths; "
+        "files sharing text with the held-out split are dropped",
+    )
+    te.add_argument("--extra-chars", type=int, default=0, help="characters of --extra-train to use")
     te.add_argument("--quiet", action="store_true")
     te.set_defaults(func=cmd_train_teacher)
 

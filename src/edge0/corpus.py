@@ -9,12 +9,14 @@ has the same files, and no held-out file ever leaks into training.
 from __future__ import annotations
 
 import hashlib
+import re
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 HELDOUT_PER_20 = 1  # one document in twenty is held out
+SHINGLE_WORDS = 12  # a run this long shared by two documents is copied text, not idiom
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -61,3 +63,33 @@ def corpus_hash(docs: list[Document]) -> str:
     for d in docs:
         h.update(d.name.encode() + b"\0" + d.text.encode() + b"\0")
     return h.hexdigest()
+
+
+def site_packages_documents(root: Path | None = None) -> Iterator[Document]:
+    """Every .py file of the running interpreter's site-packages (third-party Python): more
+    training text on the same machine, never part of the held-out split."""
+    root = Path(root or sysconfig.get_paths()["purelib"])
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        try:
+            yield Document(
+                "site-packages/" + path.relative_to(root).as_posix(),
+                path.read_text(encoding="utf-8"),
+            )
+        except (UnicodeDecodeError, OSError):
+            continue  # not UTF-8 text, or unreadable: not corpus material
+
+
+def shingles(text: str) -> set[int]:
+    """Hashes of every run of SHINGLE_WORDS consecutive words. Escapes (\\n, \\t) count as
+    spaces, so prose and the same prose inside string literals (pydoc_data/topics.py holds
+    the pydoc topics that way) match."""
+    words = re.findall(r"\w+", re.sub(r"\\[ntr]", " ", text))
+    return {
+        hash(" ".join(words[i : i + SHINGLE_WORDS])) for i in range(len(words) - SHINGLE_WORDS + 1)
+    }
+
+
+def shared_fraction(text: str, reference: set[int]) -> float:
+    """The fraction of `text`'s shingles that occur in `reference` (0 for very short text)."""
+    own = shingles(text)
+    return len(own & reference) / len(own) if own else 0.0

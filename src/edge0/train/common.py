@@ -110,14 +110,16 @@ def save_state(
     step: int,
     model_state: dict,
     optimizer,
-    gen: torch.Generator,
+    gen: torch.Generator | None,
     extra: dict | None = None,
 ) -> None:
+    """Write a resumable checkpoint atomically. `gen` may be None for a run whose data order
+    is a function of the step (train/passes.py) rather than of a generator's state."""
     state = {
         "step": step,
         "model": model_state,
         "optimizer": optimizer.state_dict(),
-        "gen": gen.get_state(),
+        "gen": None if gen is None else gen.get_state(),
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
         "extra": extra or {},

@@ -30,6 +30,19 @@ def _files(paths: list[str]) -> list[Path]:
     return out
 
 
+def read_files(paths: list[str], split: str | None = None) -> list[tuple[Path, str]]:
+    """(path, text) of every text file below `paths`, of one split or of both (None)."""
+    out = []
+    for f in _files(paths):
+        if split is not None and corpus.split_of(str(f)) != split:
+            continue
+        try:
+            out.append((f, f.read_text(encoding="utf-8")))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--data {f}: not UTF-8 text ({e})") from e
+    return out
+
+
 def load_texts(data: list[str], split: str) -> tuple[list[str], str]:
     """(documents, sha256 of their names and contents) for split 'train' or 'heldout'."""
     if data == ["stdlib"]:
@@ -37,13 +50,7 @@ def load_texts(data: list[str], split: str) -> tuple[list[str], str]:
         return [d.text for d in docs], corpus.corpus_hash(docs)
     docs = []
     h = hashlib.sha256()
-    for f in _files(data):
-        if corpus.split_of(str(f)) != split:
-            continue
-        try:
-            text = f.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--data {f}: not UTF-8 text ({e})") from e
+    for f, text in read_files(data, split):
         docs.append(text)
         h.update(str(f).encode() + b"\0" + text.encode() + b"\0")
     if not docs:
