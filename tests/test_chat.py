@@ -221,6 +221,10 @@ class ChatProcess:
     def __init__(self, argv: list[str]):
         self.pid, self.master = pty.fork()
         if self.pid == 0:  # the child: exec at once
+            # as a shell starts a foreground job: Ctrl-C interrupts. (A test run started in
+            # the background by a non-interactive shell inherits SIGINT ignored, and an
+            # ignored signal stays ignored across exec.)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             env = {**os.environ, "TERM": "xterm"}
             os.execve(sys.executable, [sys.executable, "-m", "edge0", "chat", *argv], env)
         self.buffer = b""
