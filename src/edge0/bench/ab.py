@@ -195,7 +195,7 @@ def summarize(results, cfg, k, bandwidth, expert_bytes, pool, meta, notes) -> di
     for arm, rounds in results.items():
         keys = (
             "step_ms",
-            "disk_ms_per_step",
+            "io_thread_ms_per_step",
             "blocked_ms_per_step",
             "bytes_per_step",
             "reads_per_step",
