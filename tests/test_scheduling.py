@@ -261,7 +261,7 @@ def test_eight_concurrent_requests_are_not_held_behind_a_long_one(server):
     plus 7 times the slowest time alone; doubled for a shared machine. One request at a time
     (the policy before) would have them all wait for the long one's ~500 tokens.
 
-    Not asserted: issue 16's tighter bound (twice the time alone plus one decode step per
+    Not asserted: a tighter bound (twice the time alone plus one decode step per
     active request). Seven prompts arriving at once are prefilled one after another, so the
     last one waits for six prefills; `edge0 bench --serving` measures that bound."""
     others = [chat(i, 16) for i in range(1, ACTIVE)]

@@ -1,4 +1,4 @@
-"""Regressions for the defects of issue 16: each test here failed before its fix.
+"""Regressions for defects found by probing the server as a client: each failed before its fix.
 
 Bad input gives a 4xx that names the field (never a 500 that drops the connection), a long
 prompt does not stall other clients, a request without max_tokens is capped, seeds use all

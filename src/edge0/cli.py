@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument(
         "--shape",
         default="",
-        help="synth shape when no HF_DIR is given, e.g. layers=8 (default: issue 14's: "
+        help="synth shape when no HF_DIR is given, e.g. layers=8 (default: "
         "layers=24,hidden=1024,experts=128,expert_width=512,top_k=8,vocab=512)",
     )
     pg.add_argument(

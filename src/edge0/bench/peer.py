@@ -34,7 +34,7 @@ from edge0.store.expert_file import read_table
 from edge0.synth import Shape
 
 PEERS = ("llama.cpp",)
-# issue 14's bench shape: 2.6 GiB of int4 experts, a 30B-class expert count at 1/4 the width
+# the peer bench's default shape: 2.6 GiB of int4 experts, a 30B-class expert count at 1/4 the width
 BENCH_SHAPE = Shape(
     layers=24, hidden=1024, heads=16, kv_heads=4, head_dim=64, experts=128, top_k=8,
     expert_width=512, vocab=512,
