@@ -104,6 +104,16 @@ def test_a_prompt_fed_in_parts_releases_its_pins(engine):
     assert engine.pool.available() == engine.pool.num_slots
 
 
+def in_turns(gens) -> list[list[int]]:
+    """Advance the generations one forward each in turn, as the generation thread does, until
+    all are done; their tokens."""
+    while not all(g.done for g in gens):
+        for g in gens:
+            if not g.done:
+                g.advance()
+    return [g.tokens for g in gens]
+
+
 def test_requests_advanced_in_turns_get_their_solo_outputs(engine):
     prompts = [
         engine.tokenizer.encode(t)
@@ -119,11 +129,7 @@ def test_requests_advanced_in_turns_get_their_solo_outputs(engine):
 
     solo = [alone(i) for i in range(3)]
     gens = [engine.generate(prompts[i], 12, kinds[i]) for i in range(3)]
-    while not all(g.done for g in gens):
-        for g in gens:
-            if not g.done:
-                g.advance()
-    assert [g.tokens for g in gens] == solo
+    assert in_turns(gens) == solo
     assert engine.pool.available() == engine.pool.num_slots  # every pin released
 
 
@@ -167,11 +173,7 @@ def test_prompts_prefilled_together_decode_as_they_do_alone(whole_prompts):
     gens = [engine.generate(ids, 12, kinds[i]) for i, ids in enumerate(prompts)]
     engine.start_together(gens)
     assert all(g._prefilled is not None for g in gens)
-    while not all(g.done for g in gens):
-        for g in gens:
-            if not g.done:
-                g.advance()
-    assert [g.tokens for g in gens] == solo
+    assert in_turns(gens) == solo
     assert engine.pool.available() == engine.pool.num_slots  # every pin released
     # a prompt the prefix cache holds a prefix of restores it and prefills the rest itself
     again = [engine.generate(ids + tok.encode(" again"), 4) for ids in prompts[:2]]
