@@ -105,6 +105,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         return 0
+    if args.profile:
+        from edge0.bench import profile
+
+        row = profile.measure(args.model_dir or default_model_dir(), tokens=args.tokens)
+        print(profile.report(row))
+        if args.json:
+            Path(args.json).write_text(json.dumps(row, indent=2) + "\n")
+        return 0
     if args.kernels:
         from edge0.bench import kernels
 
@@ -379,6 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None)
 
     b.add_argument("--kernels", action="store_true", help="time the int4 / dense CPU kernels")
+    b.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile --tokens decode steps with every expert in memory: time per kind of op",
+    )
     b.add_argument(
         "--io",
         type=Path,

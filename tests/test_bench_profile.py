@@ -1,0 +1,42 @@
+"""`edge0 bench --profile`: every op lands in one category, and the parts add up to the step."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge0.bench import profile
+from edge0.convert import convert
+from helpers import make_hf_model
+
+
+@pytest.mark.parametrize(
+    "op, category",
+    [
+        ("aten::_weight_int4pack_mm_for_cpu", "int4 matmul kernel"),
+        ("aten::addmm", "dense matmul"),
+        ("aten::scaled_dot_product_attention", "attention (sdpa)"),
+        ("aten::to", "dtype casts, copies"),
+        ("aten::t", profile.VIEWS),  # not "aten::to", not "aten::topk"
+        ("aten::topk", "routing: top-k, sort, one-hot"),
+        ("aten::silu", "elementwise (silu, mul, add, ...)"),
+        ("aten::lerp", profile.OTHER_OPS),
+    ],
+)
+def test_ops_are_categorized_by_name(op, category):
+    assert profile.categorize(op)[0] == category
+
+
+def test_the_parts_add_up_to_the_profiled_step(tmp_path):
+    make_hf_model(tmp_path / "hf", scale=4.0)
+    convert(tmp_path / "hf", tmp_path / "e0", progress=False)
+    r = profile.measure(tmp_path / "e0", tokens=4, warmup=1)
+    parts = r["categories_ms"]
+    assert parts["int4 matmul kernel"] > 0 and r["matmul_ms"] > 0
+    # the Python part is the step's wall time not spent in ops (none if ops on other threads
+    # added up to more)
+    if parts[profile.PYTHON] > 0:
+        assert sum(parts.values()) == pytest.approx(r["step_ms"], rel=1e-6)
+    else:
+        assert sum(parts.values()) >= r["step_ms"]
+    assert r["aten_calls_per_step"] > 0 and r["unprofiled_step_ms_median"] > 0
+    assert "step / matmuls" in profile.report(r)
