@@ -364,7 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="decode A/B of prerouter vs on-demand vs resident; kernels; I/O"
     )
     b.add_argument("model_dir", type=Path, nargs="?", default=None)
-    b.add_argument("--arms", default="prerouter,ondemand,resident")
+    b.add_argument(
+        "--arms",
+        default="prerouter,ondemand,resident",
+        help="comma-separated: prerouter, ondemand, resident; +nolora serves an arm without "
+        "the LoRA, prerouter+wN stages N experts per layer (--stage-width N)",
+    )
     b.add_argument("--top-k", type=int, default=None, help="routed experts per token")
     b.add_argument(
         "--memory-cap",

@@ -26,6 +26,7 @@ FLAGS = {
     "max_active": "--max-active",
     "prefix_cache": "--prefix-cache",
     "prefill_chunk": "--prefill-chunk",
+    "stage_width": "--stage-width",
     "max_tokens": "--max-tokens",
     "no_prerouter": "--no-prerouter",
     "no_lora": "--no-lora",
@@ -98,6 +99,15 @@ def add_engine_args(
         default=EngineOptions.max_context,
         help="tokens of prompt plus completion per request; the KV cache is allocated for it "
         f"(default {EngineOptions.max_context})",
+    )
+    g.add_argument(
+        "--stage-width",
+        type=int,
+        default=None,
+        metavar="W",
+        help="experts the prerouter stages per layer, W >= K: W = K (default) routes by the "
+        "prediction; a wider W lets each layer's router pick its K among the W staged, "
+        "reading W/K the bytes",
     )
     g.add_argument(
         "--prefill-chunk",
@@ -187,6 +197,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         max_active=getattr(args, "max_active", EngineOptions.max_active),
         prefix_cache=getattr(args, "prefix_cache", EngineOptions.prefix_cache),
         prefill_chunk=args.prefill_chunk,
+        stage_width=args.stage_width,
         relayout=args.relayout,
         cache_dir=args.cache_dir,
         dtype=getattr(torch, args.dtype),

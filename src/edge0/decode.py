@@ -44,7 +44,10 @@ def step(
     """tokens [B, 1] -> logits [B, V]; consumers route by the current predictions."""
     if pre is None:
         return model(tokens, Forward(cache, executors=executors), last_only=True)[:, -1]
-    fwd = Forward(cache, dict(pre.predicted), pre.observe, executors=executors)
+    if pre.rt.wide:  # each consumer's router picks its K among the W staged for it
+        fwd = Forward(cache, None, pre.observe, executors=executors, allowed=pre.allowed())
+    else:  # the prediction is the routing
+        fwd = Forward(cache, dict(pre.predicted), pre.observe, executors=executors)
     logits = model(tokens, fwd, last_only=True)[:, -1]
     pre.flush()
     return logits

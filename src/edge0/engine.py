@@ -187,7 +187,9 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
         plan.pool_bytes,
         io_threads=opts.io_threads,
     )
-    prerouter = PrerouterRuntime(heads, model, pool, opts.dtype) if heads is not None else None
+    prerouter = None
+    if heads is not None:
+        prerouter = PrerouterRuntime(heads, model, pool, opts.dtype, plan.stage_width)
     return Engine(path, opts, manifest, model, plan, pool, prerouter, lora_meta, prerouter_meta)
 
 

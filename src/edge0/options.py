@@ -29,6 +29,9 @@ class EngineOptions:
     # bytes of finished requests' state kept for prefix reuse (0: none; None: one request's
     # state at max_context, so a conversation's last turn always fits)
     prefix_cache: int | None = 0
+    # experts staged per prediction-routed layer (None: K, the prediction is the routing); a
+    # wider W lets the layer's router pick its K among the W staged, for W/K the bytes read
+    stage_width: int | None = None
     prefill_chunk: int = 256  # prompt tokens per forward; others' steps run between chunks
     prerouter: Path | None = None  # heads file (default: MODEL_DIR/prerouter.safetensors if any)
     no_prerouter: bool = False  # gate-route every layer: the exact path, no heads, no slots

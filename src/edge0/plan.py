@@ -70,6 +70,7 @@ class ServingPlan:
     extent_bytes: int
     pool_slots: int
     staging_slots: int  # slots prediction-routed decode keeps pinned, all active requests
+    stage_width: int  # experts staged per prediction-routed layer (K: prediction is routing)
     experts_bytes: int  # every routed expert, on disk
     memory_budget: int | None
     notes: list[str] = field(default_factory=list)
@@ -128,8 +129,14 @@ def make_plan(
     all_slots = sizes.moe_layers * sizes.experts_per_layer
     # A prediction-routed step pins every consumer's staged set plus the layer being read, and
     # every other active request keeps its staged sets pinned between its steps.
+    width = options.stage_width or k
+    if not k <= width <= sizes.experts_per_layer:
+        raise ValueError(
+            f"stage_width {width} must be between top_k {k} and the layer's "
+            f"{sizes.experts_per_layer} experts"
+        )
     layers = sizes.prediction_routed_layers + 1
-    staging = active * layers * k if sizes.prediction_routed_layers else 0
+    staging = active * layers * width if sizes.prediction_routed_layers else 0
     need = max(k, staging)  # slots decode must be able to pin at once
     notes = []
     if options.expert_cache is not None:
@@ -143,7 +150,7 @@ def make_plan(
     if slots < need:
         if staging > k:
             per = f"max_active {active} x " if active > 1 else ""
-            pins = f"prediction-routed decode stages ({per}{layers} layers x {k})"
+            pins = f"prediction-routed decode stages ({per}{layers} layers x {width})"
         else:
             pins = f"decode pins (1 layer x {k})"
         pins = f"{need} experts of {extent} bytes that {pins}"
@@ -168,6 +175,7 @@ def make_plan(
         extent_bytes=extent,
         pool_slots=min(slots, all_slots),
         staging_slots=staging,
+        stage_width=width,
         experts_bytes=all_slots * extent,
         memory_budget=options.memory_budget,
         notes=notes,

@@ -11,14 +11,20 @@ import torch
 
 
 def softmax_topk(
-    logits: torch.Tensor, k: int, norm_topk_prob: bool
+    logits: torch.Tensor, k: int, norm_topk_prob: bool, allowed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over E in fp32, top-k, optionally renormalised: logits [T, E] -> [T, K] x 2.
 
-    Weights come back in the logits' dtype, as in Qwen-MoE, OLMoE and Mixtral.
+    Weights come back in the logits' dtype, as in Qwen-MoE, OLMoE and Mixtral. With `allowed`
+    (bool [T, E], at least k per row) the top-k are chosen among the allowed experts only; the
+    softmax is still over all E, so the weights are what the family gives those experts.
     """
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    weights, indices = torch.topk(probs, k, dim=-1)
+    if allowed is None:
+        weights, indices = torch.topk(probs, k, dim=-1)
+    else:
+        indices = torch.topk(probs.masked_fill(~allowed, -1.0), k, dim=-1).indices
+        weights = probs.gather(-1, indices)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), indices
@@ -32,13 +38,17 @@ def sigmoid_group(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / Ling routing, logits [T, E] -> fp32 weights, indices [T, K].
 
     Scores are sigmoid(logits) in fp32. The expert bias steers selection only: the best
     `topk_group` of `n_group` groups (ranked by the sum of each group's two best biased
     scores) stay eligible, and the top-k biased scores among them are chosen. The weights
-    are the unbiased scores, optionally renormalised, times `scaling`.
+    are the unbiased scores, optionally renormalised, times `scaling`. With `allowed` (bool
+    [T, E], at least k per row) only allowed experts are chosen: those of the eligible groups
+    when at least k of them are allowed (so the router's own choice is kept whenever it was
+    allowed), else any allowed one.
     """
     scores = torch.sigmoid(logits.float())
     choice = scores + bias.float()
@@ -46,7 +56,11 @@ def sigmoid_group(
     groups = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
     kept = torch.topk(groups, topk_group, dim=-1).indices
     eligible = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, kept, True)
-    choice = choice.masked_fill(~eligible.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    eligible = eligible.repeat_interleave(e // n_group, dim=1)
+    if allowed is not None:  # the allowed experts of the eligible groups, if k of them are
+        both = eligible & allowed
+        eligible = torch.where((both.sum(-1, keepdim=True) >= k), both, allowed)
+    choice = choice.masked_fill(~eligible, float("-inf"))
     indices = torch.topk(choice, k, dim=-1).indices
     weights = scores.gather(1, indices)
     if norm_topk_prob:
@@ -67,9 +81,9 @@ class SoftmaxTopK:
         self.norm_topk_prob = norm_topk_prob
 
     def __call__(
-        self, logits: torch.Tensor, k: int, gate: torch.nn.Module
+        self, logits: torch.Tensor, k: int, gate: torch.nn.Module, allowed=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_topk(logits, k, self.norm_topk_prob)
+        return softmax_topk(logits, k, self.norm_topk_prob, allowed)
 
 
 class SigmoidGroup:
@@ -80,7 +94,7 @@ class SigmoidGroup:
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
 
     def __call__(
-        self, logits: torch.Tensor, k: int, gate: torch.nn.Module
+        self, logits: torch.Tensor, k: int, gate: torch.nn.Module, allowed=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return sigmoid_group(
             logits,
@@ -90,4 +104,5 @@ class SigmoidGroup:
             self.topk_group,
             self.norm_topk_prob,
             self.scaling,
+            allowed,
         )

@@ -47,6 +47,12 @@ class BenchConfig:
     threads: int | None = None
 
 
+def _valid_arm(arm: str) -> bool:
+    name, _, variant = arm.partition("+")
+    wide = name == "prerouter" and variant[:1] == "w" and variant[1:].isdigit()
+    return name in ARMS and (variant in ("", "nolora") or wide)
+
+
 def base(arm: str) -> str:
     """'resident+nolora' -> 'resident': an arm, optionally served without the LoRA."""
     return arm.partition("+")[0]
@@ -124,8 +130,11 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
     manifest = modeldir.Manifest.load(model_dir)
     table, extent, meta = read_table(model_dir / EXPERTS_FILE)
     expert_bytes = sum(t.count for t in table.values()) * extent
-    if any(base(a) not in ARMS or a.partition("+")[2] not in ("", "nolora") for a in cfg.arms):
-        raise ValueError(f"--arms: choose from {', '.join(ARMS)}, each optionally +nolora")
+    if not all(_valid_arm(a) for a in cfg.arms):
+        raise ValueError(
+            f"--arms: choose from {', '.join(ARMS)}, each optionally +nolora, and "
+            "prerouter+wN (a stage width of N experts)"
+        )
     capped = [a for a in cfg.arms if base(a) != "resident"]
     if capped and not cgroup.available():
         raise PermissionError("memory caps need root and cgroup v1 (/sys/fs/cgroup/memory)")

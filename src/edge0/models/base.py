@@ -29,8 +29,10 @@ class Forward:
 
     `predicted[layer]` holds logits [T, E] that replace that layer's router for this call
     (prediction-as-routing); `observer` sees each MoE layer's input and executed experts;
-    `executors[layer]` computes that layer's experts (the engine's strategy for this phase).
-    With none set, every layer routes by its own router through its own experts module.
+    `executors[layer]` computes that layer's experts (the engine's strategy for this phase);
+    `allowed[layer]` (bool [T, E]) restricts that layer's router to those experts (a staged
+    set wider than K). With none set, every layer routes by its own router through its own
+    experts module.
     """
 
     def __init__(
@@ -39,11 +41,13 @@ class Forward:
         predicted: dict[int, torch.Tensor] | None = None,
         observer: RoutingObserver | None = None,
         executors: dict[int, Executor] | None = None,
+        allowed: dict[int, torch.Tensor] | None = None,
     ):
         self.cache = cache
         self.predicted = predicted or {}
         self.observer = observer
         self.executors = executors or {}
+        self.allowed = allowed or {}
 
     def router_logits(self, layer: int, h: torch.Tensor, router: nn.Module) -> torch.Tensor:
         pred = self.predicted.get(layer)

@@ -58,16 +58,19 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = shared_gate
         self.gated_shared = shared_gate is not None
 
-    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The routing function, logits [T, E] -> weights, indices [T, K]. The prerouter turns
-        its predictions into experts with this same method."""
-        return self.selector(logits, self.top_k, self.gate)
+    def select(
+        self, logits: torch.Tensor, k: int | None = None, allowed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing function, logits [T, E] -> weights, indices [T, k] (default: the
+        block's K), among the `allowed` experts [T, E] if given. The prerouter turns its
+        predictions into experts with this same method."""
+        return self.selector(logits, k or self.top_k, self.gate, allowed)
 
     def forward(self, x: torch.Tensor, fwd: Forward) -> torch.Tensor:
         b, t, d = x.shape
         h = x.reshape(b * t, d)
         logits = fwd.router_logits(self.layer, h, self.gate)  # a prediction replaces the router
-        weights, indices = self.select(logits)
+        weights, indices = self.select(logits, allowed=fwd.allowed.get(self.layer))
         fwd.routed(self.layer, h, logits, indices)
         routed = fwd.experts(self.layer, self.experts)(h, indices)  # [T, K, D]
         y = (routed * weights[..., None].to(h.dtype)).sum(dim=1)  # [T, D]

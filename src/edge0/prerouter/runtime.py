@@ -65,6 +65,7 @@ class PrerouterRuntime:
         model,
         pool: ExpertPool | None,
         dtype: torch.dtype = torch.float32,
+        stage_width: int | None = None,
     ):
         self.wiring = prerouter.wiring
         self.owners = self.wiring.owners
@@ -72,6 +73,16 @@ class PrerouterRuntime:
         self.row = {o: i for i, o in enumerate(self.owners)}
         self.heads = StackedHeads(prerouter, self.owners, dtype=dtype)
         self.blocks = {c: model.moe_block(c) for c in self.consumers}
+        # experts staged per consumer: K (the prediction is the routing), or W > K (the
+        # consumer's router picks its K among the W staged)
+        k = min(b.top_k for b in self.blocks.values())
+        self.stage_width = stage_width or k
+        if not k <= self.stage_width <= prerouter.num_experts:
+            raise ValueError(
+                f"stage_width {self.stage_width} must be between top_k {k} and the "
+                f"{prerouter.num_experts} experts"
+            )
+        self.wide = self.stage_width > k
         self.num_experts = prerouter.num_experts
         self.pool = pool
         self.stats = PrerouterStats()
@@ -106,6 +117,9 @@ class PrerouterState:
         # staged during the current decode step, for the next one
         self._next_predicted: dict[int, torch.Tensor] = {}
         self._next_staged: dict[int, list[Entry]] = {}
+        # the experts each consumer may run this step (what was chosen to stage), and next step
+        self.chosen: dict[int, list[int]] = {}
+        self._next_chosen: dict[int, list[int]] = {}
         self._pending: list[Future] = []
         self._h: dict[int, torch.Tensor] = {}
         self._executed: dict[int, torch.Tensor] = {}
@@ -157,7 +171,8 @@ class PrerouterState:
         chosen = {}
         for c in rt.consumers_of.get(owner, []):
             self._next_predicted[c] = logits
-            chosen[c] = sorted(rt.blocks[c].select(logits)[1][0].tolist())
+            chosen[c] = sorted(rt.blocks[c].select(logits, rt.stage_width)[1][0].tolist())
+            self._next_chosen[c] = chosen[c]
         rt.stats.head_ns += time.perf_counter_ns() - t0
         for c, experts in chosen.items():
             self._stage(c, experts, self._next_staged, reserve)
@@ -167,6 +182,14 @@ class PrerouterState:
         pending, self._pending = self._pending, []
         for fut in pending:
             fut.result()
+
+    def allowed(self) -> dict[int, torch.Tensor]:
+        """Per consumer, the experts it may run this step (bool [R, E]): those staged for it."""
+        e = self.rt.num_experts
+        return {
+            c: torch.zeros(self.rows, e, dtype=torch.bool).index_fill_(1, torch.tensor(x), True)
+            for c, x in self.chosen.items()
+        }
 
     def take(self, consumer: int) -> list[Entry]:
         return self.staged.pop(consumer, [])
@@ -196,6 +219,7 @@ class PrerouterState:
                 rt.pool.release(entries)
             self.predicted, self._next_predicted = self._next_predicted, {}
             self.staged, self._next_staged = self._next_staged, {}
+            self.chosen, self._next_chosen = self._next_chosen, {}
             rt.stats.flushes += 1
             return
         t0 = time.perf_counter_ns()
@@ -210,8 +234,10 @@ class PrerouterState:
             rt.stats.flushes += 1
             return
         chosen = {
-            c: sorted(rt.blocks[c].select(self.predicted[c])[1][0].tolist()) for c in rt.consumers
+            c: sorted(rt.blocks[c].select(self.predicted[c], rt.stage_width)[1][0].tolist())
+            for c in rt.consumers
         }
+        self.chosen = chosen
         rt.stats.head_ns += time.perf_counter_ns() - t0
         rt.stats.flushes += 1
         for entries in self.staged.values():  # an earlier flush's sets (a prompt fed in parts)
