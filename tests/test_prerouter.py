@@ -160,12 +160,14 @@ def test_staged_decode_equals_the_same_routing_computed_exactly(dirs):
 ROUTING_LOGIT_TOLERANCE = 2e-2
 
 
-def test_teacher_forced_training_routes_as_the_engine_decodes(dirs):
+@pytest.mark.parametrize("width", [None, 4])
+def test_teacher_forced_training_routes_as_the_engine_decodes(dirs, width):
     """The student path of training (TeacherForcedRouting over a whole sequence) and the
     engine's decode (one token at a time, staged experts) compute the same routing logits and
     make the same routing decisions on the same tokens, on every MoE layer at every generated
-    position; only a tie within numerical tolerance may break either way."""
-    engine = load_engine(dirs["pre"])
+    position; only a tie within numerical tolerance may break either way. Also with a stage
+    width W = 4 > K = 2, where the consumers' routers pick among the staged experts."""
+    engine = load_engine(dirs["pre"], EngineOptions(stage_width=width))
     student = load_student(dirs["pre"], top_k=engine.top_k)
     k = engine.top_k
     ids = prompt(engine)
@@ -198,7 +200,11 @@ def test_teacher_forced_training_routes_as_the_engine_decodes(dirs):
     seq = torch.tensor([tokens])  # every sampled token was fed back
     mask = prediction_mask(1, seq.shape[1], len(ids))  # the prompt routes by its gates
     with torch.no_grad():
-        student.model(seq, TeacherForcedRouting(student.prerouter, mask, observer=keep))
+        blocks = {c: student.model.moe_block(c) for c in student.prerouter.wiring.consumers}
+        fwd = TeacherForcedRouting(
+            student.prerouter, mask, observer=keep, stage_width=width, blocks=blocks
+        )
+        student.model(seq, fwd)
     decisive = ties = 0
     for layer, steps in decoded.items():
         indices, all_logits = forced[layer]

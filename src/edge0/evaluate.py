@@ -7,6 +7,9 @@ Arms (each adds one thing to the one above it):
   + prerouter          ... consumer layers routed by the heads' predictions
   + LoRA (phase 2)     ... with the SFT adapter
   + LoRA (phase 3)     ... with the on-policy adapter: the served model
+  W=N arms             the prerouter stages N > K experts and each consumer's router picks
+                       its K among them (`--stage-width N`), without and with the phase-3
+                       LoRA; N = 1.5K and 2K unless `stage_widths` says otherwise
 
 Metrics per token over fixed held-out windows: perplexity, top-1 agreement with the teacher,
 and mean KL(teacher || arm). Prediction routing starts at position 1 of each window (position
@@ -17,6 +20,7 @@ activations to bf16: relative L2 ~4e-3 per expert output, docs/kernels.md).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -44,6 +48,7 @@ class EvalConfig:
     prerouter: Path | None = None
     lora_sft: Path | None = None
     lora_opd: Path | None = None
+    stage_widths: tuple[int, ...] | None = None  # W > K arms (None: 1.5K and 2K)
 
 
 def default_paths(model_dir: Path, cfg: EvalConfig) -> EvalConfig:
@@ -78,7 +83,25 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
             if path is not None:
                 s = load_student(model_dir, top_k=served_k, heads=cfg.prerouter, lora_file=path)
                 out.append((label, (lambda st: lambda t: st.forward(t, 1))(s)))
+        for w in stage_widths(cfg, served_k, pre.model.config.num_experts):
+            out.append((f"W={w}: prerouter stages {w}, router picks K", _wide(pre, w)))
+            if cfg.lora_opd is not None:
+                s = load_student(
+                    model_dir, top_k=served_k, heads=cfg.prerouter, lora_file=cfg.lora_opd
+                )
+                out.append((f"W={w}: + phase 3", _wide(s, w)))
     return out
+
+
+def stage_widths(cfg: EvalConfig, k: int, num_experts: int) -> list[int]:
+    """The W > K arms: those asked for, else 1.5K and 2K (at most every expert)."""
+    asked = cfg.stage_widths if cfg.stage_widths is not None else (math.ceil(1.5 * k), 2 * k)
+    return sorted({min(w, num_experts) for w in asked if w > k})
+
+
+def _wide(student, w: int):
+    wide = dataclasses.replace(student, stage_width=w)  # the same model and heads
+    return lambda t: wide.forward(t, 1)
 
 
 @torch.no_grad()

@@ -332,7 +332,16 @@ def inspect_dir(
         )
         int4_bytes, int4_params = int4_resident(path, raw, fmt, tensors)
         report.memory = predict_memory(
-            path, raw, report, fmt, extent, options, recorded_k, int4_bytes, int4_params
+            path,
+            raw,
+            report,
+            fmt,
+            extent,
+            options,
+            recorded_k,
+            int4_bytes,
+            int4_params,
+            (manifest or {}).get("served_stage_width"),
         )
     return report
 
@@ -392,6 +401,7 @@ def predict_memory(
     served_top_k: int | None,
     int4_bytes: int = 0,
     int4_params: int = 0,
+    served_stage_width: int | None = None,
 ) -> dict[str, object]:
     """The engine's serving plan for this model (plan.py), from headers: the floor by part, the
     pool in whole extents, the staging room; peak = floor + pool (interpreter and allocator
@@ -406,6 +416,7 @@ def predict_memory(
         extent_bytes=extent,
         native_top_k=r.native_top_k,
         served_top_k=served_top_k,
+        served_stage_width=served_stage_width if pre else None,
         state_bytes=lambda n, dtype: state_bytes(path, raw, n, dtype)[0],
         adapter_params=r.adapters["lora"].params if "lora" in r.adapters else 0,
         head_params=pre.params if pre else 0,

@@ -39,6 +39,8 @@ class Manifest:
     created: str
     files: dict = field(default_factory=dict)
     served_top_k: int | None = None  # experts per token served by default (None: native)
+    # experts staged per prediction-routed layer by default (None: the served K)
+    served_stage_width: int | None = None
 
     @classmethod
     def new(

@@ -43,6 +43,7 @@ class ModelSizes:
     prediction_routed_layers: int = 0  # consumers of those heads
     position_limit: int | None = None  # the model's max_position_embeddings, if it has one
     int4_bytes: int = 0  # int4 resident weights as held (models/int4.py), whatever the dtype
+    served_stage_width: int | None = None  # the default W edge0.json records (None: K)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ def make_plan(
     all_slots = sizes.moe_layers * sizes.experts_per_layer
     # A prediction-routed step pins every consumer's staged set plus the layer being read, and
     # every other active request keeps its staged sets pinned between its steps.
-    width = options.stage_width or k
+    # asked for, else the recorded default (if not below this K), else K
+    width = options.stage_width or max(k, sizes.served_stage_width or k)
     if not k <= width <= sizes.experts_per_layer:
         raise ValueError(
             f"stage_width {width} must be between top_k {k} and the layer's "
@@ -263,6 +265,7 @@ def model_dir_sizes(path: Path, manifest: modeldir.Manifest, model, options: Eng
         extent_bytes=manifest.layout().nbytes,
         native_top_k=manifest.native_top_k,
         served_top_k=manifest.served_top_k,
+        served_stage_width=manifest.served_stage_width,
         state_bytes=lambda n, dtype: model.new_cache(n, dtype, device="meta").nbytes(),
         adapter_params=_params(adapter) if serve_lora else 0,
         head_params=_params(heads) if serve_heads else 0,

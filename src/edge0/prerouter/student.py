@@ -21,15 +21,23 @@ from edge0.routing import topk_onehot
 
 
 class TeacherForcedRouting(Forward):
-    """A Forward for [B, T] inputs whose consumer layers route by the shifted predictions."""
+    """A Forward for [B, T] inputs whose consumer layers route by the shifted predictions.
+
+    With `stage_width` W (and the consumers' MoE `blocks`), a predicted position's consumer
+    instead routes by its own router among the W experts the prediction would stage, as the
+    engine's decode does with `--stage-width W`.
+    """
 
     def __init__(
         self,
         prerouter: Prerouter,
         use_prediction: torch.Tensor,
         observer: RoutingObserver | None = None,
+        stage_width: int | None = None,
+        blocks: dict | None = None,
     ):
         super().__init__(cache=None, observer=observer)
+        self.stage_width, self.blocks = stage_width, blocks
         self.pre = prerouter
         self.use = use_prediction  # [B, T] bool
         self.batch, self.length = use_prediction.shape
@@ -52,6 +60,11 @@ class TeacherForcedRouting(Forward):
         previous = torch.cat([torch.zeros_like(executed[:, :1]), executed[:, :-1]], dim=1)
         pred = self.pre.head(owner)(features(self._h[owner], executed, previous))  # [B, T, E]
         shifted = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)  # made at t-1
+        if self.stage_width is not None:  # the router picks among the W a prediction stages
+            staged = self.blocks[layer].select(shifted.reshape(-1, e), self.stage_width)[1]
+            allowed = topk_onehot(staged, e).bool().view(self.batch, self.length, e)
+            self.allowed[layer] = (allowed | ~self.use[..., None]).reshape(-1, e)
+            return own
         mixed = torch.where(
             self.use[..., None], shifted.to(own.dtype), own.view(self.batch, self.length, e)
         )

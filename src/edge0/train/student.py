@@ -33,6 +33,7 @@ class Student:
     top_k: int
     family: object
     base_hash: str
+    stage_width: int | None = None  # W > K: consumers route among the W staged (eval arms)
 
     def forward(self, tokens: torch.Tensor, first_predicted: int | torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits [B, T, V], prediction-routed from `first_predicted` on."""
@@ -40,7 +41,13 @@ class Student:
         if self.prerouter is None:
             return self.model(tokens)
         mask = prediction_mask(b, t, first_predicted).to(tokens.device)
-        return self.model(tokens, TeacherForcedRouting(self.prerouter, mask))
+        if self.stage_width is None:
+            return self.model(tokens, TeacherForcedRouting(self.prerouter, mask))
+        blocks = {c: self.model.moe_block(c) for c in self.prerouter.wiring.consumers}
+        fwd = TeacherForcedRouting(
+            self.prerouter, mask, stage_width=self.stage_width, blocks=blocks
+        )
+        return self.model(tokens, fwd)
 
     def runtime(self) -> PrerouterRuntime | None:
         return (
