@@ -214,6 +214,8 @@ class Engine:
         self.config = model.config
         self.top_k = plan.top_k
         self.moe_layers = model.moe_layers
+        # some layer keeps a recurrent state (it cannot be cut back or right-padded)
+        self.recurrent = model.new_cache(1, device="meta").recurrent
         self.tokenizer = load_tokenizer(path)
         self.eos = eos_ids(path, self.tokenizer)
         self._exact = {i: ExactExecutor(pool, i) for i in self.moe_layers}
@@ -304,7 +306,7 @@ class Engine:
         position from seeing the padding after it, each request's cache gets its own positions
         copied, and its prerouter features are its own rows'. Not for recurrent layers, whose
         state would run on through the padding, nor for a request holding restored tokens."""
-        if self.model.new_cache(1, device="meta").recurrent:
+        if self.recurrent:
             raise ValueError("recurrent layers cannot be prefilled together (right padding)")
         lengths = [len(ids) for ids in prompts]
         if not all(lengths) or any(req.position for req in reqs):
@@ -348,7 +350,7 @@ class Engine:
         by last step's predictions and this step's flush starts the next step's reads."""
         self.check_context(req, 1)
         exact = req.exact == len(req.tokens)
-        if exact and req.pre is not None and req.cache.recurrent and self.prefix_cache:
+        if exact and req.pre is not None and self.recurrent and self.prefix_cache:
             req.held = req.cache.snapshot()
         x = torch.tensor([[token]], dtype=torch.long)
         logits = decode.step(self.model, req.cache, x, req.pre, req.decode)[0].float()
@@ -370,7 +372,7 @@ class Engine:
         to prefill themselves. Seven chat requests arriving at once then wait for one batched
         prefill, not for six others' in turn. A prompt the prefix cache holds at least half of,
         and a model with recurrent layers, take the usual path."""
-        if self.model.new_cache(1, device="meta").recurrent:
+        if self.recurrent:
             return
         chunk = self.options.prefill_chunk
         fresh = [

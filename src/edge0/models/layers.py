@@ -188,12 +188,12 @@ class KVCache:
     def copy_row(self, batch: KVCache, row: int, n: int) -> None:
         """Make this (empty, one-row) cache hold the first n positions of `batch`'s row `row`:
         keys and values only (a recurrent state cannot be cut to a row's length)."""
-        assert not self.recurrent and not any(self.length), "copy_row into a fresh attention cache"
-        for i in range(len(self.length)):
-            if self.k[i] is not None:
-                self.k[i][:, :, :n] = batch.k[i][row : row + 1, :, :n]
-                self.v[i][:, :, :n] = batch.v[i][row : row + 1, :, :n]
-            self.length[i] = n
+
+        def rows(ts: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+            return [None if t is None else t[row : row + 1] for t in ts]
+
+        assert not batch.recurrent, "a recurrent state cannot be cut to a row's length"
+        self.restore(CacheSnapshot(n, rows(batch.k), rows(batch.v), [None] * len(batch.k)), n)
 
     def restore(self, snap: CacheSnapshot, n: int) -> None:
         """Make this cache hold the first n positions of `snap`. Attention keys and values cut

@@ -73,15 +73,10 @@ class PrerouterRuntime:
         self.row = {o: i for i, o in enumerate(self.owners)}
         self.heads = StackedHeads(prerouter, self.owners, dtype=dtype)
         self.blocks = {c: model.moe_block(c) for c in self.consumers}
-        # experts staged per consumer: K (the prediction is the routing), or W > K (the
-        # consumer's router picks its K among the W staged)
+        # experts staged per consumer (the serving plan's W, checked there): K, the prediction
+        # is the routing; or W > K, the consumer's router picks its K among the W staged
         k = min(b.top_k for b in self.blocks.values())
         self.stage_width = stage_width or k
-        if not k <= self.stage_width <= prerouter.num_experts:
-            raise ValueError(
-                f"stage_width {self.stage_width} must be between top_k {k} and the "
-                f"{prerouter.num_experts} experts"
-            )
         self.wide = self.stage_width > k
         self.num_experts = prerouter.num_experts
         self.pool = pool

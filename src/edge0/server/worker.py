@@ -208,15 +208,13 @@ class Worker:
                     self._admit(self._waiting.popleft(), ended)
                 a = self._active[0] if self._active else None
                 self._active.rotate(-1)  # it goes to the back of the line
-                # its turn to start: those admitted since start with it
-                unstarted = (
-                    []
-                    if a is None
-                    else [b for b in self._active if not getattr(b.gen, "started", True)]
-                )
+                unstarted = []
+                if a is not None and not getattr(a.gen, "started", True):
+                    # its first turn: the others admitted since, not started either, join it
+                    unstarted = [b for b in self._active if not getattr(b.gen, "started", True)]
             for job, event in ended:
                 job.sink(event)
-            if a in unstarted and len(unstarted) > 1 and not self._start_together(unstarted):
+            if len(unstarted) > 1 and not self._start_together(unstarted):
                 continue
             if a is not None:
                 final = self._advance(a)
