@@ -42,6 +42,7 @@ from test_server import (
     make_chat_model,
     metrics,
     post,
+    wait_for,
 )
 
 CHAT = "/v1/chat/completions"
@@ -332,13 +333,6 @@ def slow(engine):
     slow_engine = SlowEngine(engine, delay_s=0.05)
     with live_server(create_app(slow_engine, ServerOptions(model_name="tiny"))) as url:
         yield url, slow_engine
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def leave_a_stream(base: str) -> None:
