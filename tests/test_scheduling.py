@@ -19,7 +19,7 @@ import torch
 from edge0 import builtin
 from edge0.bench.serving import stream_chat
 from edge0.cli_args import with_flags
-from edge0.engine import EngineOptions, load_engine
+from edge0.engine import REUSE_TOKENS, EngineOptions, load_engine
 from edge0.plan import ModelSizes, make_plan
 from edge0.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
@@ -175,14 +175,32 @@ def test_prompts_prefilled_together_decode_as_they_do_alone(whole_prompts):
     assert all(g._prefilled is not None for g in gens)
     assert in_turns(gens) == solo
     assert engine.pool.available() == engine.pool.num_slots  # every pin released
-    # a prompt the prefix cache holds a prefix of restores it and prefills the rest itself
+    # a restored prefix is kept when it saves more than the forward of its own that the rest
+    # then needs; a few held tokens are cheaper to prefill again in the batch
+    story = tok.encode(" ".join(texts) * 3)
+    engine.generate(story, 2).drain()
+    engine.step_s.value, engine.prompt_token_s.value = 0.02, 0.001  # reuse from 20 held tokens
     again = [engine.generate(ids + tok.encode(" again"), 4) for ids in prompts[:2]]
+    assert all(0 < engine.prefix_cache.match(g.prompt) < 20 for g in again)
+    again.append(engine.generate(story + tok.encode(" again"), 4))
+    assert engine.prefix_cache.match(again[-1].prompt) > 20
     again.append(engine.generate(tok.encode("A new story"), 4))
-    again.append(engine.generate(tok.encode("Another new story"), 4))
     engine.start_together(again)
-    assert [g._prefilled is not None for g in again] == [False, False, True, True]
-    assert [g.drain().stats.prefix_tokens > 0 for g in again] == [True, True, False, False]
+    assert [g._prefilled is not None for g in again] == [True, True, False, True]
+    assert [g.drain().stats.prefix_tokens > 0 for g in again] == [False, False, True, False]
     assert engine.pool.available() == engine.pool.num_slots
+
+
+def test_reuse_or_batch_follows_the_measured_costs(whole_prompts):
+    engine = whole_prompts
+    engine.step_s.value = engine.prompt_token_s.value = None
+    assert not engine.reuse_beats_batch(REUSE_TOKENS - 1, 200)  # unmeasured: a fixed floor
+    assert engine.reuse_beats_batch(REUSE_TOKENS, 200)
+    engine.step_s.add(0.03)
+    engine.prompt_token_s.add(0.002)
+    assert not engine.reuse_beats_batch(14, 16) and engine.reuse_beats_batch(16, 200)
+    engine.prompt_token_s.add(0.001)  # a moving average: 0.0018 s a token now
+    assert not engine.reuse_beats_batch(16, 200) and engine.reuse_beats_batch(17, 200)
 
 
 # -- the generation thread ----------------------------------------------------------------------

@@ -221,6 +221,10 @@ class Engine:
         self._exact = {i: ExactExecutor(pool, i) for i in self.moe_layers}
         bound = plan.floor.prefix_cache
         self.prefix_cache = PrefixCache(bound) if bound else None
+        # measured as requests run, for start_together's choice between a restored prefix
+        # and the batch: a decode step's seconds, and a prompt token's in a batched prefill
+        self.step_s = MovingAverage()
+        self.prompt_token_s = MovingAverage()
 
     @property
     def max_context(self) -> int:
@@ -330,12 +334,14 @@ class Engine:
                     pre.observe(layer, *(a[i, :n] for a in rows))
 
         fwd = Forward(batch, observer=observer, executors=executors)
+        t0 = time.perf_counter()
         try:
             h = self.model.hidden(x, fwd)  # [B, T, D]
         finally:
             plan.release_all()
         last = h[torch.arange(len(reqs)), torch.tensor(lengths) - 1]  # [B, D]
         logits = self.model.logits(last[:, None])[:, 0].float()  # [B, V]
+        self.prompt_token_s.add((time.perf_counter() - t0) / sum(lengths))
         for i, (req, ids) in enumerate(zip(reqs, prompts, strict=True)):
             req.cache.copy_row(batch, i, len(ids))
             if req.pre is not None:
@@ -353,7 +359,9 @@ class Engine:
         if exact and req.pre is not None and self.recurrent and self.prefix_cache:
             req.held = req.cache.snapshot()
         x = torch.tensor([[token]], dtype=torch.long)
+        t0 = time.perf_counter()
         logits = decode.step(self.model, req.cache, x, req.pre, req.decode)[0].float()
+        self.step_s.add(time.perf_counter() - t0)
         if exact and req.pre is None:  # gate-routed: the same experts as a prefill
             req.exact += 1
         req.tokens.append(token)
@@ -370,8 +378,9 @@ class Engine:
         """Prefill, in one forward, the prompts of those `gens` that have not started and fit
         one prompt chunk (each then starts decoding from its own logits); the others are left
         to prefill themselves. Seven chat requests arriving at once then wait for one batched
-        prefill, not for six others' in turn. A prompt the prefix cache holds at least half of,
-        and a model with recurrent layers, take the usual path."""
+        prefill, not for six others' in turn. A model with recurrent layers takes the usual
+        path, and so does a prompt whose restored prefix saves more than the forward of its
+        own that the rest then needs (see reuse_beats_batch)."""
         if self.recurrent:
             return
         chunk = self.options.prefill_chunk
@@ -387,9 +396,8 @@ class Engine:
             return
         before = self.stats()
         for g in fresh:  # each keeps its request, with what the prefix cache restored
-            # a few shared tokens (a chat template's opening) are not worth leaving the batch
             held = self.prefix_cache.match(g.prompt) if self.prefix_cache is not None else 0
-            g._req = self.new_request(g.prompt, reuse=2 * held >= len(g.prompt))
+            g._req = self.new_request(g.prompt, reuse=self.reuse_beats_batch(held, len(g.prompt)))
         batch = [g for g in fresh if g._req.position == 0]
         if len(batch) < 2:
             return
@@ -405,10 +413,43 @@ class Engine:
         for g, out in zip(batch, logits, strict=True):
             g._prefilled = (out, seconds, before)
 
+    def reuse_beats_batch(self, held: int, n: int) -> bool:
+        """Whether restoring `held` of a prompt's n tokens from the prefix cache, then
+        prefilling the rest in a forward of its own, is quicker than prefilling all n in a
+        batch with other prompts. The batch costs n prompt tokens; the own forward about a
+        decode step plus the rest's tokens; so reuse wins when the held tokens cost more in
+        the batch than a decode step. A prompt token's cost is a batched prefill's seconds per
+        token (it falls as a batch grows: an expert's matmul serves more tokens; a solo
+        prefill of a short prompt costs ~3x more per token, built-in model). Seven repeated
+        18-token chats then join one batch (16 held tokens at ~0.4 ms each against a ~20 ms
+        step), and a long conversation restores its history. Until both were measured: at
+        least REUSE_TOKENS held."""
+        step, token = self.step_s.value, self.prompt_token_s.value
+        if step is None or token is None:
+            return held >= REUSE_TOKENS
+        return held * token > step
+
     def close(self) -> None:
         if self.prerouter is not None:
             self.prerouter.close()
         self.pool.close()
+
+
+# before the costs were measured: restoring this many tokens beats prefilling them in a batch
+# (built-in model: ~50 tokens; a slower decode step only moves it up)
+REUSE_TOKENS = 64
+
+
+class MovingAverage:
+    """An exponential moving average of timings (None before the first)."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        v = self.value
+        self.value = x if v is None else v + self.weight * (x - v)
 
 
 class Generation:
