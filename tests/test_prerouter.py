@@ -18,7 +18,7 @@ from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
 from edge0.routing import topk_onehot
 from edge0.sampling import SamplingParams
 from edge0.train.heads import HeadsConfig, train_heads
-from edge0.train.student import load_student
+from edge0.train.student import load_student, sample
 from helpers import TEXT, DelayedReads, make_hf_model
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
@@ -221,6 +221,35 @@ def test_teacher_forced_training_routes_as_the_engine_decodes(dirs, width):
             assert chosen == sorted(indices[pos].tolist()), f"layer {layer} step {step}"
     print(f"{decisive} decisive routing decisions agree; {ties} ties within tolerance")
     assert decisive >= 3 * ties  # the comparison is not vacuous
+
+
+def engine_greedy(model_dir, width: int | None, n: int = 16) -> tuple[list[int], list[int], int]:
+    """(prompt, the engine's greedy tokens at stage width `width`, its K)."""
+    engine = load_engine(model_dir, EngineOptions(stage_width=width))
+    try:
+        ids = prompt(engine)
+        return ids, engine.generate(ids, n, GREEDY).drain().tokens, engine.top_k
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("width", [None, 4])
+def test_on_policy_sampling_decodes_as_the_engine(dirs, width):
+    """Phase 3 samples from the student path (`train.student.sample`: rows in lockstep, no
+    pool). With a stage width W = 4 > K = 2, each row's consumers route among that row's own
+    top-W predictions, as the engine's decode does with `--stage-width 4`: the same greedy
+    tokens on both rows."""
+    ids, want, k = engine_greedy(dirs["pre"], width)
+    if width is not None:  # a sampler that ignored W would give W = K's tokens: they differ
+        assert engine_greedy(dirs["pre"], None)[1] != want
+    student = load_student(dirs["pre"], top_k=k, stage_width=width)
+    runtime = student.runtime()
+    try:
+        out = sample(student.model, torch.tensor([ids, ids]), len(want), GREEDY, None, runtime)
+    finally:
+        runtime.close()
+    assert runtime.wide == (width is not None)
+    assert out[0, len(ids) :].tolist() == want == out[1, len(ids) :].tolist()
 
 
 def test_zero_drops_over_a_long_generation(dirs):

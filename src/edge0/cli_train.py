@@ -213,6 +213,13 @@ def add_train_parsers(sub) -> None:
             help="heads (default MODEL_DIR/prerouter.safetensors)",
         )
         p.add_argument("--top-k", type=int, default=None, help="served K (default native)")
+        p.add_argument(
+            "--stage-width",
+            type=int,
+            default=None,
+            help="train on the path served with --stage-width W: each layer's router picks "
+            "its K among the W experts the prerouter stages (default K: the prediction routes)",
+        )
         p.add_argument("--prompt-len", type=int, default=32)
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--seed", type=int, default=0)

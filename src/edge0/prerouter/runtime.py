@@ -179,8 +179,14 @@ class PrerouterState:
             fut.result()
 
     def allowed(self) -> dict[int, torch.Tensor]:
-        """Per consumer, the experts it may run this step (bool [R, E]): those staged for it."""
-        e = self.rt.num_experts
+        """Per consumer, the experts it may run this step (bool [R, E]): those staged for it.
+        In training (no pool, rows sampled in lockstep) each row's own top-W predictions."""
+        rt, e = self.rt, self.rt.num_experts
+        if rt.pool is None:
+            return {
+                c: topk_onehot(rt.blocks[c].select(p, rt.stage_width)[1], e).bool()
+                for c, p in self.predicted.items()
+            }
         return {
             c: torch.zeros(self.rows, e, dtype=torch.bool).index_fill_(1, torch.tensor(x), True)
             for c, x in self.chosen.items()

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class OPDConfig:
     top_k: int | None = None
+    stage_width: int | None = None  # W > K: train on the path `--stage-width W` serves
     prompt_len: int = 32
     gen_len: int = 64
     batch: int = 8
@@ -81,7 +82,14 @@ def train_opd(
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     stream = common.tokenize(docs, tok, eos)
     teacher = load_teacher(teacher_dir, device)
-    student = load_student(model_dir, top_k=cfg.top_k, heads=heads, lora_file=init, device=device)
+    student = load_student(
+        model_dir,
+        top_k=cfg.top_k,
+        heads=heads,
+        lora_file=init,
+        device=device,
+        stage_width=cfg.stage_width,
+    )
     runtime = student.runtime()
     sampling = SamplingParams(temperature=cfg.temperature)
     p = cfg.prompt_len
@@ -117,6 +125,7 @@ def train_opd(
         "data_hash": data_hash,
         "init_data_hash": init_meta.get("data_hash", ""),
         "K": str(student.top_k),
+        "W": str(student.stage_width or student.top_k),
         "seed": str(cfg.seed),
         "teacher_topk": str(cfg.teacher_topk),
     }

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class SFTConfig:
     top_k: int | None = None
+    stage_width: int | None = None  # W > K: train on the path `--stage-width W` serves
     rank: int = 16
     alpha: float = 32.0
     samples: int = 512
@@ -117,6 +118,7 @@ def train_sft(
         new_lora=(cfg.rank, cfg.alpha),
         seed=cfg.seed,
         device=device,
+        stage_width=cfg.stage_width,
     )
     student.model.train()
 
@@ -144,6 +146,7 @@ def train_sft(
         "phase": "2",
         "data_hash": dataset["data_hash"],
         "K": str(student.top_k),
+        "W": str(student.stage_width or student.top_k),
         "seed": str(cfg.seed),
     }
     lora.save(student.model, out, meta)

@@ -50,9 +50,9 @@ class Student:
         return self.model(tokens, fwd)
 
     def runtime(self) -> PrerouterRuntime | None:
-        return (
-            None if self.prerouter is None else PrerouterRuntime(self.prerouter, self.model, None)
-        )
+        if self.prerouter is None:
+            return None
+        return PrerouterRuntime(self.prerouter, self.model, None, stage_width=self.stage_width)
 
 
 def load_teacher(path: Path | str, device: torch.device | None = None) -> torch.nn.Module:
@@ -70,10 +70,12 @@ def load_student(
     new_lora: tuple[int, float] | None = None,
     seed: int = 0,
     device: torch.device | None = None,
+    stage_width: int | None = None,
 ) -> Student:
     """The served model for training/eval. heads: a file, None (MODEL_DIR/prerouter.safetensors
     if present) or False (gate routing). lora_file loads an adapter; new_lora=(r, alpha)
-    attaches a fresh one to every family LORA_TARGET."""
+    attaches a fresh one to every family LORA_TARGET. stage_width W > K: each consumer's
+    router picks its K among the W experts the prediction stages (`--stage-width`)."""
     model_dir = Path(model_dir)
     manifest, model = loader.load_edge0_model(model_dir, experts="dequantized")
     model.requires_grad_(False)
@@ -105,7 +107,10 @@ def load_student(
     model.to(device)
     if pre is not None:
         pre.to(device)
-    return Student(model, pre, k, fam, base)
+    if stage_width is not None and stage_width < k:
+        raise ValueError(f"the stage width ({stage_width}) must be at least K ({k})")
+    wide = stage_width if stage_width is not None and stage_width > k else None
+    return Student(model, pre, k, fam, base, stage_width=wide)
 
 
 def lora_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
