@@ -299,6 +299,65 @@ def test_35b_as_hugging_face_bf16_counts_the_same(tmp_path):
     assert r.per_expert["extent_bytes"] == ExtentLayout(2048, 512).nbytes
 
 
+def tensors_30b_class_hf(layers=32, d=2048, heads=16, kv=4, hd=128, e=128, inter=768, v=8192):
+    """The 30B-class bench shape of docs/prerouter.md as a bf16 Hugging Face Qwen3-MoE."""
+    specs = [
+        ("model.embed_tokens.weight", "BF16", [v, d]),
+        ("model.norm.weight", "BF16", [d]),
+        ("lm_head.weight", "BF16", [v, d]),
+    ]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "input_layernorm.weight", "BF16", [d]),
+            (p + "post_attention_layernorm.weight", "BF16", [d]),
+            (p + "self_attn.q_proj.weight", "BF16", [heads * hd, d]),
+            (p + "self_attn.k_proj.weight", "BF16", [kv * hd, d]),
+            (p + "self_attn.v_proj.weight", "BF16", [kv * hd, d]),
+            (p + "self_attn.o_proj.weight", "BF16", [d, heads * hd]),
+            (p + "self_attn.q_norm.weight", "BF16", [hd]),
+            (p + "self_attn.k_norm.weight", "BF16", [hd]),
+            (p + "mlp.gate.weight", "BF16", [e, d]),
+        ]
+        for x in range(e):
+            q = f"{p}mlp.experts.{x}."
+            specs += [
+                (q + "gate_proj.weight", "BF16", [inter, d]),
+                (q + "up_proj.weight", "BF16", [inter, d]),
+                (q + "down_proj.weight", "BF16", [d, inter]),
+            ]
+    config = {
+        "model_type": "qwen3_moe",
+        "hidden_size": d,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "num_experts": e,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": inter,
+        "intermediate_size": 6144,
+        "vocab_size": v,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
+    return specs, config
+
+
+def test_30b_class_floor_in_int4_is_over_5x_below_fp32(tmp_path):
+    """The 30B-class shape's resident floor was 1.41 GiB held in fp32; `convert` now stores its
+    projections and embeddings as int4, which the engine holds packed (the plan's count, which
+    test_inspect_predicts_the_engines_allocation ties to the engine): 230.5 MiB, 6.3x less."""
+    specs, config = tensors_30b_class_hf()
+    write_checkpoint(tmp_path / "hf", [specs], config)
+    r = inspect_dir(tmp_path / "hf", top_k=4, memory_budget=memory.parse_size("3.3G"))
+    fp32 = 4 * r.resident_total.params
+    assert round(fp32 / 2**30, 2) == 1.41  # docs/prerouter.md's floor for this shape
+    weights = r.memory["floor"]["weights"]
+    assert round(weights / 2**20, 1) == 230.5
+    assert fp32 / weights > 5
+
+
 def test_35b_fits_the_references_3gib_and_a_smaller_budget_says_so(mlx_35b):
     """With int4 resident weights the 35B tier's floor (1.62 GiB at bf16) leaves the reference's
     3 GiB room for a pool; 1.5 GiB does not hold it, and the note names the missing bytes."""
