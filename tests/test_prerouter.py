@@ -107,6 +107,49 @@ def test_training_beats_the_warm_start_and_is_deterministic(dirs):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same seed
 
 
+def test_heads_data_streams_through_a_small_pool_and_is_reused(dirs, tmp_path):
+    """Phase 1 routes the corpus through the engine within --memory-budget: with a pool of
+    one layer's experts (of 6 layers) the head inputs and targets written to the run's files
+    are those of a pool holding every expert, bit for bit; and a run that finds them maps
+    them (features.json) and trains the same heads as a fresh run."""
+    probe = load_engine(dirs["plain"], EngineOptions(max_context=128, no_prerouter=True))
+    plan, experts = probe.plan, probe.config.num_experts
+    probe.close()
+    assert plan.pool_slots == LAYERS * experts  # unbounded: every expert fits
+    budget = plan.floor.total + experts * plan.extent_bytes
+    opts = EngineOptions(max_context=128, no_prerouter=True, no_lora=True, memory_budget=budget)
+    small = load_engine(dirs["plain"], opts)
+    assert small.plan.pool_slots == experts  # the options train_heads uses: one layer's worth
+    small.close()
+    cfg = dict(train_tokens=1024, heldout_tokens=512, seq_len=128, epochs=1, width=64)
+    runs = {}
+    for name, b in (("small", budget), ("all", None)):
+        out = tmp_path / name / "prerouter.safetensors"
+        report = train_heads(
+            dirs["plain"], [str(dirs["data"])], out, HeadsConfig(memory_budget=b, **cfg), False
+        )
+        runs[name] = (out, report)
+    small, every = (runs[n][0].with_name("prerouter.safetensors.run") for n in ("small", "all"))
+    files = sorted(p.relative_to(small) for p in small.rglob("*.f*"))
+    assert len(files) == 2 * (2 * (LAYERS - 1))  # train + held-out: owners' and consumers'
+    for f in files:
+        assert (small / f).read_bytes() == (every / f).read_bytes(), f
+    assert runs["small"][1] == runs["all"][1]
+    # again, mapping the collected files: the same heads
+    out = runs["small"][0]
+    first = load_file(str(out))
+    for f in ("state.pt", "log.json"):
+        (small / f).unlink()
+    (small / "train" / "features-0.f16").touch()  # mapped, not rewritten: mtime unchanged
+    stamp = (small / "train" / "features-0.f16").stat().st_mtime_ns
+    train_heads(
+        dirs["plain"], [str(dirs["data"])], out, HeadsConfig(memory_budget=budget, **cfg), False
+    )
+    assert (small / "train" / "features-0.f16").stat().st_mtime_ns == stamp
+    again = load_file(str(out))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+
+
 def test_no_prerouter_is_the_exact_path(dirs):
     plain = load_engine(dirs["plain"])
     off = load_engine(dirs["pre"], EngineOptions(no_prerouter=True))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edge0 import modeldir
+from edge0 import memory, modeldir
 from edge0.cli_args import config_from_args, default_model_dir, default_teacher_dir
 from edge0.plan import resolve_top_k
 
@@ -186,6 +186,13 @@ def add_train_parsers(sub) -> None:
     he.add_argument("--start-layer", type=int, default=None)
     he.add_argument("--tokens", type=int, default=60_000, help="training tokens to collect")
     he.add_argument("--heldout-tokens", type=int, default=16_000)
+    he.add_argument(
+        "--memory-budget",
+        type=memory.parse_size,
+        default=None,
+        help="bytes for the model while routing the corpus: resident floor + expert pool "
+        "(default: what memory allows, as for serving); the collected data goes to files",
+    )
     he.add_argument("--epochs", type=int, default=6)
     he.add_argument("--lr", type=float, default=1e-3)
     he.add_argument("--seed", type=int, default=0)

@@ -304,6 +304,20 @@ class Engine:
         return logits[0].float()
 
     @torch.inference_mode()
+    def route(self, windows: torch.Tensor, observer) -> None:
+        """Run token windows [B, T] through the model as a prefill does (int4 experts from
+        the pool, each layer's own router, nothing cached) so that `observer(layer, h,
+        logits, indices)` sees every MoE layer's routing. Phase 1 collects the heads' data
+        this way: the routing served, within the memory the plan allows."""
+        b, t = windows.shape
+        plan = PrefillPlan(self.pool, self.moe_layers, self.config.num_experts, b * t * self.top_k)
+        executors = {i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers}
+        try:
+            self.model.hidden(windows, Forward(observer=observer, executors=executors))
+        finally:
+            plan.release_all()
+
+    @torch.inference_mode()
     def prefill_together(self, reqs: list[Request], prompts: list[list[int]]) -> list[torch.Tensor]:
         """Prefill several fresh requests' whole prompts in one forward; returns each one's
         last logits [V]. Prompts are right-padded to the longest: causal attention keeps a

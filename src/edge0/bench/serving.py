@@ -249,10 +249,15 @@ def report(summary: dict) -> str:
     ]
     for arm, rows in summary["concurrency"].items():
         for row in rows:
+            worst = max(
+                f / b for f, b in zip(row["together_first_s"], row["bounds_s"], strict=True)
+            )
             lines.append(
                 f"  {arm:>13}: p50 {row['p50_s']:.3f} s, p95 {row['p95_s']:.3f} s; alone "
                 f"median {statistics.median(row['alone_first_s']):.3f} s; within bound "
-                f"{row['within_bound']}/{len(row['together_first_s'])}"
+                f"{row['within_bound']}/{len(row['together_first_s'])} (bounds "
+                f"{min(row['bounds_s']):.3f}-{max(row['bounds_s']):.3f} s, worst "
+                f"first/bound {worst:.2f})"
             )
     p = summary["prefill"]
     lines.append(

@@ -1,15 +1,17 @@
 """Phase 1, `edge0 train heads MODEL_DIR --data ... --out FILE`: distill the prerouter heads.
 
-The served model (dequantized int4 experts, served K) runs over the corpus with its own
-routers. For every owner layer N and token t we keep the head input (N's MoE input, the
-experts N executed at t and at t-1) and the target: the router logits of the consumer layer
-at token t+1. Heads are the only trainable parameters; the loss is the cross-entropy of the
-head's expert distribution against the consumer router's softmax (KL up to a constant), so a
-head learns to imitate the next layer's router, not to fit text.
+The served model runs over the corpus the way a prefill serves it (int4 experts read from the
+pool within `--memory-budget`, served K, each layer's own router; Engine.route). For every
+owner layer N and token t we keep the head input (N's MoE input, the experts N executed at t
+and at t-1) and the target: the router logits of the consumer layer at token t+1. They go to
+files in the run folder, mapped rather than held, so neither the model's experts nor the
+data have to fit in memory. Heads are the only trainable parameters; the loss is the
+cross-entropy of the head's expert distribution against the consumer router's softmax (KL up
+to a constant), so a head learns to imitate the next layer's router, not to fit text.
 
 Reported per layer on held-out text: top-K recall |topK(head) ∩ topK(router)| / K, for the
 trained heads and for the warm start (the consumer's router applied to the owner's state).
-Shape legend: N tokens, D hidden, E experts, K served experts.
+Shape legend: N tokens, D hidden, E experts, K served experts, B windows, T window length.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from edge0 import loader, modeldir
-from edge0.models.base import Forward
-from edge0.plan import resolve_top_k
+from edge0 import modeldir
+from edge0.engine import load_engine
+from edge0.options import EngineOptions
 from edge0.prerouter.head import DEFAULT_WIDTH, Prerouter, Wiring, features
 from edge0.routing import topk_onehot
 from edge0.tokenizer import load_tokenizer
@@ -45,6 +48,7 @@ class HeadsConfig:
     train_tokens: int = 60_000
     heldout_tokens: int = 16_000
     seq_len: int = 256
+    memory_budget: int | None = None  # bytes for the model while collecting (default: the plan's)
     epochs: int = 6
     batch: int = 512
     lr: float = 1e-3
@@ -52,30 +56,68 @@ class HeadsConfig:
     seed: int = 0
 
 
+class Features:
+    """Head inputs per owner [N, D+2E] (fp16) and consumer router logits per consumer [N, E]
+    (fp32), in files under `folder` mapped into memory (file-backed pages, not anonymous
+    ones). `rows` fixes N; mode "w+" creates the files, "c" maps finished ones (never
+    written back)."""
+
+    def __init__(self, folder: Path, wiring: Wiring, rows: int, d: int, e: int, mode: str):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.rows = folder, rows
+        self._maps: list[np.memmap] = []
+
+        def mapped(name: str, width: int, dtype) -> torch.Tensor:
+            m = np.memmap(folder / name, dtype, mode, shape=(rows, width))
+            self._maps.append(m)
+            return torch.from_numpy(m)
+
+        self.feats = {o: mapped(f"features-{o}.f16", d + 2 * e, np.float16) for o in wiring.owners}
+        self.targets = {c: mapped(f"targets-{c}.f32", e, np.float32) for c in wiring.consumers}
+
+    def flush(self) -> None:
+        """Write what was collected to the files."""
+        for m in self._maps:
+            m.flush()
+
+
 @torch.no_grad()
-def collect(model, windows: torch.Tensor, wiring: Wiring, num_experts: int, progress: bool):
-    """Head inputs per owner [N, D+2E] (fp16) and consumer router logits per consumer [N, E]."""
-    feats = {o: [] for o in wiring.owners}
-    targets = {c: [] for c in wiring.consumers}
+def collect(
+    engine, windows: torch.Tensor, wiring: Wiring, folder: Path, progress: bool, desc: str
+) -> Features:
+    """Route `windows` [n, T] through the engine, WINDOWS_PER_FORWARD at a time, into
+    Features: positions 0..T-2 of each window as head inputs, 1..T-1 as targets."""
+    n, t = windows.shape
+    e, d = engine.config.num_experts, engine.config.hidden_size
+    out = Features(folder, wiring, n * (t - 1), d, e, "w+")
     seen: dict[int, tuple] = {}
 
     def observe(layer, h, lg, idx):
         seen[layer] = (h, lg, idx)
 
-    for w in tqdm(windows, desc="routing features", unit="window", disable=not progress):
+    at = 0
+    for start in tqdm(
+        range(0, n, WINDOWS_PER_FORWARD), desc=desc, unit="forward", disable=not progress
+    ):
+        batch = windows[start : start + WINDOWS_PER_FORWARD]
+        b, rows = batch.shape[0], batch.shape[0] * (t - 1)
         seen.clear()
-        model.hidden(w[None], Forward(observer=observe))
+        engine.route(batch, observe)
         for o in wiring.owners:
             h, _, idx = seen[o]
-            executed = topk_onehot(idx, num_experts)
-            previous = torch.cat([torch.zeros(1, num_experts), executed[:-1]])
-            feats[o].append(features(h, executed, previous)[:-1].half())  # positions 0..L-2
+            executed = topk_onehot(idx, e).view(b, t, e)
+            previous = torch.cat([torch.zeros(b, 1, e), executed[:, :-1]], dim=1)
+            x = features(h.view(b, t, d), executed, previous)[:, :-1]
+            out.feats[o][at : at + rows] = x.reshape(rows, -1).half()
         for c in wiring.consumers:
-            targets[c].append(seen[c][1][1:].float())  # router logits at positions 1..L-1
-    return (
-        {o: torch.cat(v) for o, v in feats.items()},
-        {c: torch.cat(v) for c, v in targets.items()},
-    )
+            logits = seen[c][1].view(b, t, e)[:, 1:]
+            out.targets[c][at : at + rows] = logits.reshape(rows, e).float()
+        at += rows
+    return out
+
+
+# windows per routing forward: one read of a layer's experts serves them all
+WINDOWS_PER_FORWARD = 4
 
 
 def recall(pred: torch.Tensor, target: torch.Tensor, k: int) -> float:
@@ -85,12 +127,16 @@ def recall(pred: torch.Tensor, target: torch.Tensor, k: int) -> float:
     return float(hits.mean() / k)
 
 
-def evaluate(pre: Prerouter, feats, targets, k: int) -> dict[int, float]:
+def evaluate(pre: Prerouter, data: Features, k: int, chunk: int = 4096) -> dict[int, float]:
+    """Held-out top-K recall per consumer, `chunk` rows at a time."""
+    hits = dict.fromkeys(pre.wiring.consumers, 0.0)
     with torch.no_grad():
-        return {
-            c: recall(pre.head(o)(feats[o].float()), targets[c], k)
-            for c, o in pre.wiring.owner_of.items()
-        }
+        for i in range(0, data.rows, chunk):
+            for c, o in pre.wiring.owner_of.items():
+                pred = pre.head(o)(data.feats[o][i : i + chunk].float())
+                target = data.targets[c][i : i + chunk]
+                hits[c] += recall(pred, target, k) * pred.shape[0]
+    return {c: h / data.rows for c, h in hits.items()}
 
 
 def train_heads(
@@ -99,43 +145,86 @@ def train_heads(
     model_dir, out = Path(model_dir), Path(out)
     run = out.with_name(out.name + ".run")
     run.mkdir(parents=True, exist_ok=True)
+    options = EngineOptions(
+        top_k=cfg.top_k,
+        memory_budget=cfg.memory_budget,
+        max_context=cfg.seq_len,
+        no_prerouter=True,
+        no_lora=True,
+    )
+    engine = load_engine(model_dir, options)
+    try:
+        return _train(engine, model_dir, data, out, run, cfg, progress)
+    finally:
+        engine.close()
+
+
+def _collected(
+    engine, data: list[str], run: Path, wiring: Wiring, cfg: HeadsConfig, progress: bool
+) -> tuple[Features, Features, str]:
+    """(train, held-out, data hash): collected now, or mapped from an earlier run of the same
+    data and settings (features.json is written once both are complete)."""
+    e, d = engine.config.num_experts, engine.config.hidden_size
+    done = run / "features.json"
+    settings = {
+        "data": list(data),
+        "K": engine.top_k,
+        "owners": wiring.owners,
+        "train_tokens": cfg.train_tokens,
+        "heldout_tokens": cfg.heldout_tokens,
+        "seq_len": cfg.seq_len,
+        "seed": cfg.seed,
+    }
+    if done.exists():
+        record = json.loads(done.read_text())
+        if record["settings"] == settings:
+            return (
+                Features(run / "train", wiring, record["train_rows"], d, e, "c"),
+                Features(run / "heldout", wiring, record["heldout_rows"], d, e, "c"),
+                record["data_hash"],
+            )
+        done.unlink()
     gen = common.seed_everything(cfg.seed)
-    manifest, model = loader.load_edge0_model(model_dir, experts="dequantized")
-    mcfg = model.config
-    k = resolve_top_k(cfg.top_k, manifest.served_top_k, manifest.native_top_k)
-    model.set_top_k(k)
-    wiring = Wiring.default(model.moe_layers, cfg.start_layer)
-    tok = load_tokenizer(model_dir)
+    tok = load_tokenizer(engine.path)
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    train_docs, train_hash = load_texts(data, "train")
+    stream = common.tokenize(train_docs, tok, eos)
+    try:
+        held_docs, held_hash = load_texts(data, "heldout")
+        held = common.tokenize(held_docs, tok, eos)
+    except ValueError:  # too few files for a held-out share: hold out the stream's tail
+        cut = int(stream.numel() * 0.9)
+        stream, held, held_hash = stream[:cut], stream[cut:], train_hash + ":tail"
+    n_train = max(1, cfg.train_tokens // cfg.seq_len)
+    n_held = max(1, cfg.heldout_tokens // cfg.seq_len)
+    train_w = common.random_windows(stream, n_train, cfg.seq_len - 1, gen)
+    held_w = common.fixed_windows(held, n_held, cfg.seq_len - 1)
+    train = collect(engine, train_w, wiring, run / "train", progress, "routing features")
+    heldout = collect(engine, held_w, wiring, run / "heldout", progress, "held-out features")
+    digest = hashlib.sha256(f"{train_hash}|{held_hash}".encode()).hexdigest()
+    train.flush()
+    heldout.flush()
+    record = {
+        "settings": settings,
+        "train_rows": train.rows,
+        "heldout_rows": heldout.rows,
+        "data_hash": digest,
+    }
+    done.write_text(json.dumps(record, indent=2) + "\n")
+    return train, heldout, digest
 
-    cache = run / "features.pt"
-    if cache.exists():
-        data_state = torch.load(cache)
-    else:
-        train_docs, train_hash = load_texts(data, "train")
-        stream = common.tokenize(train_docs, tok, eos)
-        try:
-            held_docs, held_hash = load_texts(data, "heldout")
-            held = common.tokenize(held_docs, tok, eos)
-        except ValueError:  # too few files for a held-out share: hold out the stream's tail
-            cut = int(stream.numel() * 0.9)
-            stream, held, held_hash = stream[:cut], stream[cut:], train_hash + ":tail"
-        n_train = max(1, cfg.train_tokens // cfg.seq_len)
-        n_held = max(1, cfg.heldout_tokens // cfg.seq_len)
-        train_w = common.random_windows(stream, n_train, cfg.seq_len - 1, gen)
-        held_w = common.fixed_windows(held, n_held, cfg.seq_len - 1)
-        data_state = {
-            "train": collect(model, train_w, wiring, mcfg.num_experts, progress),
-            "heldout": collect(model, held_w, wiring, mcfg.num_experts, progress),
-            "data_hash": hashlib.sha256(f"{train_hash}|{held_hash}".encode()).hexdigest(),
-        }
-        torch.save(data_state, cache)
-    (tr_f, tr_t), (he_f, he_t) = data_state["train"], data_state["heldout"]
 
+def _train(engine, model_dir, data, out, run, cfg: HeadsConfig, progress: bool) -> dict:
+    k, model = engine.top_k, engine.model
+    wiring = Wiring.default(model.moe_layers, cfg.start_layer)
+    train, heldout, data_hash = _collected(engine, data, run, wiring, cfg, progress)
+    # seeded again: a run that maps earlier features trains exactly as a fresh one
+    gen = common.seed_everything(cfg.seed)
+    mcfg = engine.config
     pre = Prerouter(wiring, mcfg.hidden_size, mcfg.num_experts, cfg.width)
     routers = {c: model.moe_block(c).gate.weight.detach() for c in wiring.consumers}
     pre.warm_start(routers, seed=cfg.seed)
-    warm = evaluate(pre, he_f, he_t, k)
+    warm = evaluate(pre, heldout, k)
     opt = torch.optim.AdamW(pre.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     runlog = common.RunLog.resume(run / "log.json", common.config_dict(cfg))
     epoch = 0
@@ -145,7 +234,7 @@ def train_heads(
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["gen"])
         epoch = state["step"]
-    n = next(iter(tr_f.values())).shape[0]
+    n = train.rows
     steps_per_epoch = (n + cfg.batch - 1) // cfg.batch
     total = cfg.epochs * steps_per_epoch
     bar = tqdm(
@@ -167,8 +256,8 @@ def train_heads(
             idx = order[s * cfg.batch : (s + 1) * cfg.batch]
             loss = 0.0
             for c, o in wiring.owner_of.items():
-                logp = F.log_softmax(pre.head(o)(tr_f[o][idx].float()), dim=-1)
-                target = torch.softmax(tr_t[c][idx], dim=-1)
+                logp = F.log_softmax(pre.head(o)(train.feats[o][idx].float()), dim=-1)
+                target = torch.softmax(train.targets[c][idx], dim=-1)
                 loss = loss + -(target * logp).sum(-1).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -176,7 +265,7 @@ def train_heads(
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item() / len(wiring.owner_of):.4f}")
         epoch += 1
-        held = evaluate(pre, he_f, he_t, k)
+        held = evaluate(pre, heldout, k)
         runlog.add(
             epoch=epoch,
             loss=round(loss.item() / len(wiring.owner_of), 5),
@@ -186,12 +275,12 @@ def train_heads(
         runlog.save()
         common.save_state(run / "state.pt", epoch, pre.state_dict(), opt, gen)
     bar.close()
-    trained = evaluate(pre, he_f, he_t, k)
+    trained = evaluate(pre, heldout, k)
     meta = {
         "model": model_dir.name,
         "base_hash": modeldir.base_hash(model_dir),
         "K": str(k),
-        "data_hash": data_state["data_hash"],
+        "data_hash": data_hash,
         "phase": "1",
         "seed": str(cfg.seed),
     }
@@ -202,7 +291,7 @@ def train_heads(
         "warm_start_recall": {str(c): warm[c] for c in wiring.consumers},
         "trained_recall": {str(c): trained[c] for c in wiring.consumers},
         "train_tokens": n,
-        "heldout_tokens": next(iter(he_f.values())).shape[0],
+        "heldout_tokens": heldout.rows,
     }
     (run / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
