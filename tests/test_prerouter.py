@@ -134,7 +134,10 @@ def test_heads_data_streams_through_a_small_pool_and_is_reused(dirs, tmp_path):
     assert len(files) == 2 * (2 * (LAYERS - 1))  # train + held-out: owners' and consumers'
     for f in files:
         assert (small / f).read_bytes() == (every / f).read_bytes(), f
-    assert runs["small"][1] == runs["all"][1]
+    small_r, all_r = runs["small"][1], runs["all"][1]
+    assert small_r["trained_recall"] == all_r["trained_recall"]
+    assert small_r["pool_bytes"] == plan.extent_bytes * experts < all_r["pool_bytes"]
+    assert small_r["peak_anon_bytes"] > 0 and small_r["peak_file_bytes"] > 0
     # again, mapping the collected files: the same heads
     out = runs["small"][0]
     first = load_file(str(out))

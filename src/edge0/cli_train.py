@@ -46,7 +46,14 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     cfg = config_from_args(HeadsConfig, args, train_tokens="tokens")
     out = args.out or args.model_dir / modeldir.PREROUTER_FILE
     report = train_heads(args.model_dir, args.data, out, cfg, progress=not args.quiet)
-    print(f"wrote {out} (K={report['K']}); held-out top-{report['K']} recall per consumer layer:")
+    print(
+        f"wrote {out} (K={report['K']}); expert pool "
+        f"{memory.format_bytes(report['pool_bytes'])} of "
+        f"{memory.format_bytes(report['experts_bytes'])} of experts; peak anon "
+        f"{memory.format_bytes(report['peak_anon_bytes'])}, file "
+        f"{memory.format_bytes(report['peak_file_bytes'])}"
+    )
+    print(f"held-out top-{report['K']} recall per consumer layer:")
     print("| layer | warm start | trained |\n|---|---|---|")
     for c in report["consumers"]:
         print(

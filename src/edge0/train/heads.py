@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from edge0 import modeldir
+from edge0 import memory, modeldir
 from edge0.engine import load_engine
 from edge0.options import EngineOptions
 from edge0.prerouter.head import DEFAULT_WIDTH, Prerouter, Wiring, features
@@ -152,11 +152,15 @@ def train_heads(
         no_prerouter=True,
         no_lora=True,
     )
-    engine = load_engine(model_dir, options)
-    try:
-        return _train(engine, model_dir, data, out, run, cfg, progress)
-    finally:
-        engine.close()
+    with memory.PeakSampler(interval_s=0.1) as peaks:
+        engine = load_engine(model_dir, options)
+        try:
+            report = _train(engine, model_dir, data, out, run, cfg, progress)
+        finally:
+            engine.close()
+    report["peak_anon_bytes"], report["peak_file_bytes"] = peaks.peak_anon, peaks.peak_file
+    (run / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 def _collected(
@@ -292,6 +296,7 @@ def _train(engine, model_dir, data, out, run, cfg: HeadsConfig, progress: bool) 
         "trained_recall": {str(c): trained[c] for c in wiring.consumers},
         "train_tokens": n,
         "heldout_tokens": heldout.rows,
+        "pool_bytes": engine.plan.pool_bytes,
+        "experts_bytes": engine.plan.experts_bytes,
     }
-    (run / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
