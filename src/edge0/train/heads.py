@@ -86,38 +86,37 @@ def collect(
     engine, windows: torch.Tensor, wiring: Wiring, folder: Path, progress: bool, desc: str
 ) -> Features:
     """Route `windows` [n, T] through the engine, WINDOWS_PER_FORWARD at a time, into
-    Features: positions 0..T-2 of each window as head inputs, 1..T-1 as targets."""
+    Features: positions 0..T-2 of each window as head inputs, 1..T-1 as targets. Each layer's
+    rows are written as the layer's routing is seen, so no layer's state is kept."""
     n, t = windows.shape
     e, d = engine.config.num_experts, engine.config.hidden_size
     out = Features(folder, wiring, n * (t - 1), d, e, "w+")
-    seen: dict[int, tuple] = {}
+    owners, consumers = set(wiring.owners), set(wiring.consumers)
+    at, b = 0, 0
 
-    def observe(layer, h, lg, idx):
-        seen[layer] = (h, lg, idx)
+    def observe(layer, h, logits, idx):
+        rows = slice(at, at + b * (t - 1))
+        if layer in owners:
+            executed = topk_onehot(idx, e).view(b, t, e)
+            previous = torch.cat([torch.zeros(b, 1, e), executed[:, :-1]], dim=1)
+            x = features(h.view(b, t, d), executed, previous)[:, :-1]
+            out.feats[layer][rows] = x.reshape(-1, x.shape[-1]).half()
+        if layer in consumers:
+            out.targets[layer][rows] = logits.view(b, t, e)[:, 1:].reshape(-1, e).float()
 
-    at = 0
     for start in tqdm(
         range(0, n, WINDOWS_PER_FORWARD), desc=desc, unit="forward", disable=not progress
     ):
         batch = windows[start : start + WINDOWS_PER_FORWARD]
-        b, rows = batch.shape[0], batch.shape[0] * (t - 1)
-        seen.clear()
+        b = batch.shape[0]
         engine.route(batch, observe)
-        for o in wiring.owners:
-            h, _, idx = seen[o]
-            executed = topk_onehot(idx, e).view(b, t, e)
-            previous = torch.cat([torch.zeros(b, 1, e), executed[:, :-1]], dim=1)
-            x = features(h.view(b, t, d), executed, previous)[:, :-1]
-            out.feats[o][at : at + rows] = x.reshape(rows, -1).half()
-        for c in wiring.consumers:
-            logits = seen[c][1].view(b, t, e)[:, 1:]
-            out.targets[c][at : at + rows] = logits.reshape(rows, e).float()
-        at += rows
+        at += b * (t - 1)
     return out
 
 
-# windows per routing forward: one read of a layer's experts serves them all
-WINDOWS_PER_FORWARD = 4
+# windows per routing forward: one read (and, for busy experts, one dequantization) of a
+# layer's experts serves them all
+WINDOWS_PER_FORWARD = 16
 
 
 def recall(pred: torch.Tensor, target: torch.Tensor, k: int) -> float:
