@@ -3,8 +3,8 @@
   1. edge0 train teacher   a Qwen3-MoE pre-trained on the stdlib corpus (HF directory)
   2. edge0 convert         int4 experts -> an edge0 directory
   3. edge0 train heads     phase 1, served K=4 (half the native 8)
-  4. edge0 train sft       phase 2, on teacher samples
-  5. edge0 train opd       phase 3, on the student's own samples
+  4. edge0 train sft       phase 2, on teacher samples, on the served W=8 student path
+  5. edge0 train opd       phase 3, on the student's own samples, at W=8
   6. edge0 eval            the quality table (docs/builtin-model.md)
 then copies the results into src/edge0/builtin/{model,teacher} and records each stage's wall
 time, sizes and hashes in src/edge0/builtin/BUILD.json. A stage whose output already exists
@@ -25,8 +25,9 @@ from edge0 import builtin, cli, modeldir
 from edge0.checkpoint import sha256_file
 
 SERVED_K = 4
-# staged per layer; each layer's router picks SERVED_K among them (eval: +4.5% over the
-# teacher at 8, +19.5% when the prediction routes at 4; docs/builtin-model.md)
+# staged per layer; each layer's router picks SERVED_K among them (eval: +3.3% over the
+# teacher at 8 with the LoRA trained there, +19.5% when the prediction routes at 4;
+# docs/builtin-model.md)
 SERVED_STAGE_WIDTH = 8
 
 
@@ -81,6 +82,8 @@ def stages(work: Path) -> list[tuple[str, Path, list[str]]]:
                 str(teacher),
                 "--top-k",
                 str(SERVED_K),
+                "--stage-width",
+                str(SERVED_STAGE_WIDTH),
                 "--samples",
                 "2048",
                 "--gen-len",
@@ -102,6 +105,8 @@ def stages(work: Path) -> list[tuple[str, Path, list[str]]]:
                 str(teacher),
                 "--top-k",
                 str(SERVED_K),
+                "--stage-width",
+                str(SERVED_STAGE_WIDTH),
                 "--steps",
                 "120",
                 "--batch",
