@@ -154,9 +154,27 @@ def train_heads(
     with memory.PeakSampler(interval_s=0.1) as peaks:
         engine = load_engine(model_dir, options)
         try:
-            report = _train(engine, model_dir, data, out, run, cfg, progress)
+            k, config, plan = engine.top_k, engine.config, engine.plan
+            wiring = Wiring.default(engine.model.moe_layers, cfg.start_layer)
+            train, heldout, data_hash = _collected(engine, data, run, wiring, cfg, progress)
+            # the warm start's weights; the model and its pool are not needed to train
+            routers = {
+                c: engine.model.moe_block(c).gate.weight.detach().clone() for c in wiring.consumers
+            }
         finally:
             engine.close()
+            del engine
+        pre, report = _train(train, heldout, routers, wiring, k, config, cfg, run, progress)
+        meta = {
+            "model": model_dir.name,
+            "base_hash": modeldir.base_hash(model_dir),
+            "K": str(k),
+            "data_hash": data_hash,
+            "phase": "1",
+            "seed": str(cfg.seed),
+        }
+        pre.save(out, meta)
+    report["pool_bytes"], report["experts_bytes"] = plan.pool_bytes, plan.experts_bytes
     report["peak_anon_bytes"], report["peak_file_bytes"] = peaks.peak_anon, peaks.peak_file
     (run / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -217,15 +235,21 @@ def _collected(
     return train, heldout, digest
 
 
-def _train(engine, model_dir, data, out, run, cfg: HeadsConfig, progress: bool) -> dict:
-    k, model = engine.top_k, engine.model
-    wiring = Wiring.default(model.moe_layers, cfg.start_layer)
-    train, heldout, data_hash = _collected(engine, data, run, wiring, cfg, progress)
+def _train(
+    train: Features,
+    heldout: Features,
+    routers: dict[int, torch.Tensor],
+    wiring: Wiring,
+    k: int,
+    mcfg,
+    cfg: HeadsConfig,
+    run: Path,
+    progress: bool,
+) -> tuple[Prerouter, dict]:
+    """Train the heads on collected data: the trained heads and the recall report."""
     # seeded again: a run that maps earlier features trains exactly as a fresh one
     gen = common.seed_everything(cfg.seed)
-    mcfg = engine.config
     pre = Prerouter(wiring, mcfg.hidden_size, mcfg.num_experts, cfg.width)
-    routers = {c: model.moe_block(c).gate.weight.detach() for c in wiring.consumers}
     pre.warm_start(routers, seed=cfg.seed)
     warm = evaluate(pre, heldout, k)
     opt = torch.optim.AdamW(pre.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -279,15 +303,6 @@ def _train(engine, model_dir, data, out, run, cfg: HeadsConfig, progress: bool) 
         common.save_state(run / "state.pt", epoch, pre.state_dict(), opt, gen)
     bar.close()
     trained = evaluate(pre, heldout, k)
-    meta = {
-        "model": model_dir.name,
-        "base_hash": modeldir.base_hash(model_dir),
-        "K": str(k),
-        "data_hash": data_hash,
-        "phase": "1",
-        "seed": str(cfg.seed),
-    }
-    pre.save(out, meta)
     report = {
         "K": k,
         "consumers": wiring.consumers,
@@ -295,7 +310,5 @@ def _train(engine, model_dir, data, out, run, cfg: HeadsConfig, progress: bool) 
         "trained_recall": {str(c): trained[c] for c in wiring.consumers},
         "train_tokens": n,
         "heldout_tokens": heldout.rows,
-        "pool_bytes": engine.plan.pool_bytes,
-        "experts_bytes": engine.plan.experts_bytes,
     }
-    return report
+    return pre, report
