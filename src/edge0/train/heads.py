@@ -111,6 +111,9 @@ def collect(
         b = batch.shape[0]
         engine.route(batch, observe)
         at += b * (t - 1)
+        # written back now: clean pages can be dropped under a memory cap, dirty ones not
+        out.flush()
+        memory.release_freed()
     return out
 
 
