@@ -45,7 +45,7 @@ def step(
     if pre is None:
         return model(tokens, Forward(cache, executors=executors), last_only=True)[:, -1]
     if pre.rt.wide:  # each consumer's router picks its K among the W staged for it
-        fwd = Forward(cache, None, pre.observe, executors=executors, allowed=pre.allowed())
+        fwd = Forward(cache, None, pre.observe, executors=executors, allowed=dict(pre.allowed))
     else:  # the prediction is the routing
         fwd = Forward(cache, dict(pre.predicted), pre.observe, executors=executors)
     logits = model(tokens, fwd, last_only=True)[:, -1]

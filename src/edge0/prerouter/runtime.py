@@ -112,9 +112,12 @@ class PrerouterState:
         # staged during the current decode step, for the next one
         self._next_predicted: dict[int, torch.Tensor] = {}
         self._next_staged: dict[int, list[Entry]] = {}
-        # the experts each consumer may run this step (what was chosen to stage), and next step
+        # the experts chosen to stage per consumer, this step and next; with W > K also as the
+        # consumer's allowed set (bool [R, E]: each row's own top-W), built where they are chosen
         self.chosen: dict[int, list[int]] = {}
         self._next_chosen: dict[int, list[int]] = {}
+        self.allowed: dict[int, torch.Tensor] = {}
+        self._next_allowed: dict[int, torch.Tensor] = {}
         self._pending: list[Future] = []
         self._h: dict[int, torch.Tensor] = {}
         self._executed: dict[int, torch.Tensor] = {}
@@ -166,7 +169,7 @@ class PrerouterState:
         chosen = {}
         for c in rt.consumers_of.get(owner, []):
             self._next_predicted[c] = logits
-            chosen[c] = sorted(rt.blocks[c].select(logits, rt.stage_width)[1][0].tolist())
+            chosen[c] = self._choose(c, logits, self._next_allowed)
             self._next_chosen[c] = chosen[c]
         rt.stats.head_ns += time.perf_counter_ns() - t0
         for c, experts in chosen.items():
@@ -178,19 +181,17 @@ class PrerouterState:
         for fut in pending:
             fut.result()
 
-    def allowed(self) -> dict[int, torch.Tensor]:
-        """Per consumer, the experts it may run this step (bool [R, E]): those staged for it.
-        In training (no pool, rows sampled in lockstep) each row's own top-W predictions."""
-        rt, e = self.rt, self.rt.num_experts
-        if rt.pool is None:
-            return {
-                c: topk_onehot(rt.blocks[c].select(p, rt.stage_width)[1], e).bool()
-                for c, p in self.predicted.items()
-            }
-        return {
-            c: torch.zeros(self.rows, e, dtype=torch.bool).index_fill_(1, torch.tensor(x), True)
-            for c, x in self.chosen.items()
-        }
+    def _choose(
+        self, consumer: int, logits: torch.Tensor, allowed: dict[int, torch.Tensor]
+    ) -> list[int]:
+        """The experts to stage for `consumer` from its predictions [R, E]: each row's top-W
+        (the family's own routing at W), as a sorted list of row 0's; with W > K each row's
+        set also goes into `allowed` [R, E], what the consumer's router may pick from."""
+        rt = self.rt
+        idx = rt.blocks[consumer].select(logits, rt.stage_width)[1]  # [R, W]
+        if rt.wide:
+            allowed[consumer] = topk_onehot(idx, rt.num_experts).bool()
+        return sorted(idx[0].tolist())
 
     def take(self, consumer: int) -> list[Entry]:
         return self.staged.pop(consumer, [])
@@ -221,6 +222,7 @@ class PrerouterState:
             self.predicted, self._next_predicted = self._next_predicted, {}
             self.staged, self._next_staged = self._next_staged, {}
             self.chosen, self._next_chosen = self._next_chosen, {}
+            self.allowed, self._next_allowed = self._next_allowed, {}
             rt.stats.flushes += 1
             return
         t0 = time.perf_counter_ns()
@@ -228,21 +230,18 @@ class PrerouterState:
             [features(self._h[o], self._executed[o], self._previous[o]) for o in rt.owners]
         )  # [H, R, D + 2E]
         logits = rt.heads(x)  # [H, R, E]
+        staging = rt.pool is not None  # training: predictions (and W > K's sets) only
+        self.allowed = {}
         for c in rt.consumers:
             self.predicted[c] = logits[rt.row[rt.wiring.owner_of[c]]]  # [R, E]
-        if rt.pool is None:  # training: predictions only, no staging
-            rt.stats.head_ns += time.perf_counter_ns() - t0
-            rt.stats.flushes += 1
-            return
-        chosen = {
-            c: sorted(rt.blocks[c].select(self.predicted[c], rt.stage_width)[1][0].tolist())
-            for c in rt.consumers
-        }
-        self.chosen = chosen
+            if staging or rt.wide:
+                self.chosen[c] = self._choose(c, self.predicted[c], self.allowed)
         rt.stats.head_ns += time.perf_counter_ns() - t0
         rt.stats.flushes += 1
+        if not staging:
+            return
         for entries in self.staged.values():  # an earlier flush's sets (a prompt fed in parts)
             rt.pool.release(entries)
         self.staged.clear()
         for c in rt.consumers:  # in layer order: the earliest consumers need bytes first
-            self._stage(c, chosen[c], self.staged)
+            self._stage(c, self.chosen[c], self.staged)
