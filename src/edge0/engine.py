@@ -19,6 +19,7 @@ every layer is gate-routed and exact.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -289,15 +290,9 @@ class Engine:
         if not ids:
             raise ValueError("the prompt is empty")
         self.check_context(req, len(ids))
-        plan = PrefillPlan(
-            self.pool, self.moe_layers, self.config.num_experts, len(ids) * self.top_k
-        )
-        executors = {i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers}
         x = torch.tensor([ids], dtype=torch.long)
-        try:
+        with self._whole_layers(len(ids)) as executors:
             logits = decode.prefill(self.model, req.cache, x, req.pre, executors, last)
-        finally:
-            plan.release_all()
         if req.exact == len(req.tokens):
             req.exact += len(ids)
         req.tokens += ids
@@ -309,11 +304,17 @@ class Engine:
         the pool, each layer's own router, nothing cached) so that `observer(layer, h,
         logits, indices)` sees every MoE layer's routing. Phase 1 collects the heads' data
         this way: the routing served, within the memory the plan allows."""
-        b, t = windows.shape
-        plan = PrefillPlan(self.pool, self.moe_layers, self.config.num_experts, b * t * self.top_k)
-        executors = {i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers}
-        try:
+        with self._whole_layers(windows.numel()) as executors:
             self.model.hidden(windows, Forward(observer=observer, executors=executors))
+
+    @contextlib.contextmanager
+    def _whole_layers(self, tokens: int) -> Iterator[dict[int, WholeLayerExecutor]]:
+        """The prefill executors of every MoE layer for a forward of `tokens` tokens (each
+        layer's experts read in runs, the next layer's ahead when the forward touches most of
+        them); whatever they still pin is released at the end."""
+        plan = PrefillPlan(self.pool, self.moe_layers, self.config.num_experts, tokens * self.top_k)
+        try:
+            yield {i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers}
         finally:
             plan.release_all()
 
@@ -334,10 +335,6 @@ class Engine:
         t = max(lengths)
         x = torch.tensor([ids + [0] * (t - len(ids)) for ids in prompts], dtype=torch.long)
         batch = self.model.new_cache(t, self.options.dtype, batch=len(reqs))
-        plan = PrefillPlan(
-            self.pool, self.moe_layers, self.config.num_experts, sum(lengths) * self.top_k
-        )
-        executors = {i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers}
         observer = None
         if self.prerouter is not None:
             states = [req.pre for req in reqs]
@@ -347,12 +344,9 @@ class Engine:
                 for i, (pre, n) in enumerate(zip(states, lengths, strict=True)):
                     pre.observe(layer, *(a[i, :n] for a in rows))
 
-        fwd = Forward(batch, observer=observer, executors=executors)
         t0 = time.perf_counter()
-        try:
-            h = self.model.hidden(x, fwd)  # [B, T, D]
-        finally:
-            plan.release_all()
+        with self._whole_layers(sum(lengths)) as executors:
+            h = self.model.hidden(x, Forward(batch, observer=observer, executors=executors))
         last = h[torch.arange(len(reqs)), torch.tensor(lengths) - 1]  # [B, D]
         logits = self.model.logits(last[:, None])[:, 0].float()  # [B, V]
         self.prompt_token_s.add((time.perf_counter() - t0) / sum(lengths))
