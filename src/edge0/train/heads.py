@@ -64,7 +64,7 @@ class Features:
 
     def __init__(self, folder: Path, wiring: Wiring, rows: int, d: int, e: int, mode: str):
         folder.mkdir(parents=True, exist_ok=True)
-        self.folder, self.rows = folder, rows
+        self.rows = rows
         self._maps: list[np.memmap] = []
 
         def mapped(name: str, width: int, dtype) -> torch.Tensor:
@@ -226,8 +226,6 @@ def _collected(
     train = collect(engine, train_w, wiring, run / "train", progress, "routing features")
     heldout = collect(engine, held_w, wiring, run / "heldout", progress, "held-out features")
     digest = hashlib.sha256(f"{train_hash}|{held_hash}".encode()).hexdigest()
-    train.flush()
-    heldout.flush()
     record = {
         "settings": settings,
         "train_rows": train.rows,
