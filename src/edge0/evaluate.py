@@ -79,17 +79,16 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
     if cfg.prerouter is not None:
         pre = load_student(model_dir, top_k=served_k, heads=cfg.prerouter)
         out.append((f"+ prerouter routing (K={served_k})", lambda t: pre.forward(t, 1)))
+        opd = None
         for label, path in (("+ LoRA after phase 2", cfg.lora_sft), ("+ phase 3", cfg.lora_opd)):
             if path is not None:
                 s = load_student(model_dir, top_k=served_k, heads=cfg.prerouter, lora_file=path)
                 out.append((label, (lambda st: lambda t: st.forward(t, 1))(s)))
+                opd = s if label == "+ phase 3" else opd
         for w in stage_widths(cfg, served_k, pre.model.config.num_experts):
             out.append((f"W={w}: prerouter stages {w}, router picks K", _wide(pre, w)))
-            if cfg.lora_opd is not None:
-                s = load_student(
-                    model_dir, top_k=served_k, heads=cfg.prerouter, lora_file=cfg.lora_opd
-                )
-                out.append((f"W={w}: + phase 3", _wide(s, w)))
+            if opd is not None:  # the same phase-3 model, routed at W
+                out.append((f"W={w}: + phase 3", _wide(opd, w)))
     return out
 
 
