@@ -9,6 +9,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m edge0.native  # compile the fused expert kernel for this machine (~15 s, once)
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -11,7 +11,13 @@ from edge0.loader import load_edge0_model
 from edge0.modeldir import Manifest
 from edge0.store.expert_file import ExpertFile
 from edge0.store.pool import ExpertPool
-from edge0.streaming.executors import ExactExecutor, PrefillPlan, WholeLayerExecutor
+from edge0.streaming.executors import (
+    ExactExecutor,
+    PrefillPlan,
+    WholeLayerExecutor,
+    decode_experts,
+    torch_experts,
+)
 from helpers import make_hf_model
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
@@ -43,7 +49,7 @@ def make_pool(model_dir, slots: int) -> ExpertPool:
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 400])  # 400: ~100 tokens per expert, dense kernel
-@pytest.mark.parametrize("path", ["exact", "whole_layer", "whole_layer_tight"])
+@pytest.mark.parametrize("path", ["exact", "exact_fused", "whole_layer", "whole_layer_tight"])
 def test_executor_matches_dequantized_reference(model_dir, path, tokens):
     _, ref_model = load_edge0_model(model_dir, experts="dequantized")
     reference = ref_model.moe_block(1).experts
@@ -54,6 +60,8 @@ def test_executor_matches_dequantized_reference(model_dir, path, tokens):
     pool = make_pool(model_dir, slots)
     if path == "exact":
         ex = ExactExecutor(pool, 1)
+    elif path == "exact_fused":
+        ex = ExactExecutor(pool, 1, decode_experts("fused"))
     else:
         ex = WholeLayerExecutor(pool, 1, PrefillPlan(pool, [0, 1, 2], 16, tokens * 4))
     with torch.no_grad():
@@ -79,4 +87,23 @@ def test_whole_layer_reads_the_next_layer_ahead(model_dir):
     pool.wait(staged)
     pool.release(staged)
     plan.release_all()
+    pool.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_experts_are_bit_identical_to_the_torch_path(model_dir, dtype):
+    """The native op runs swiglu_int4's ops in the same order: equal, not merely close."""
+    pool = make_pool(model_dir, 64)
+    fused = decode_experts("fused")
+    assert fused is not torch_experts
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in range(3):
+            for _ in range(4):
+                x = torch.randn(1, 128, generator=gen).to(dtype)
+                indices = torch.randperm(16, generator=gen)[:4][None]
+                want = ExactExecutor(pool, layer)(x, indices)
+                got = ExactExecutor(pool, layer, fused)(x, indices)
+                assert got.dtype == want.dtype == dtype
+                assert torch.equal(got, want)
     pool.close()

@@ -368,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--arms",
         default="prerouter,ondemand,resident",
         help="comma-separated: prerouter, ondemand, resident; +nolora serves an arm without "
-        "the LoRA, prerouter+wN stages N experts per layer (--stage-width N)",
+        "the LoRA, +torch with the pure-PyTorch expert path (--expert-kernel torch), "
+        "prerouter+wN stages N experts per layer (--stage-width N)",
     )
     b.add_argument("--top-k", type=int, default=None, help="routed experts per token")
     b.add_argument(

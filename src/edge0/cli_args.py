@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from edge0 import memory, modeldir
-from edge0.options import DEFAULT_IO_MODE, EngineOptions
+from edge0.options import DEFAULT_IO_MODE, EXPERT_KERNELS, EngineOptions
 from edge0.store.expert_file import IO_MODES
 from edge0.store.relayout import POLICIES
 
@@ -150,7 +150,16 @@ def add_engine_args(
         "--cache-dir",
         type=Path,
         default=None,
-        help="where repacked copies are kept (default $XDG_CACHE_HOME/edge0 or ~/.cache/edge0)",
+        help="where repacked copies and the compiled expert kernel are kept (default "
+        "$XDG_CACHE_HOME/edge0 or ~/.cache/edge0)",
+    )
+    g.add_argument(
+        "--expert-kernel",
+        choices=EXPERT_KERNELS,
+        default=EngineOptions.expert_kernel,
+        help="decode's expert compute: one native call per token (fused, compiled once on "
+        "this machine), the pure-PyTorch path (torch; the same numbers), or fused where it "
+        "builds (auto, default)",
     )
     g.add_argument(
         "--dtype",
@@ -200,6 +209,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         stage_width=args.stage_width,
         relayout=args.relayout,
         cache_dir=args.cache_dir,
+        expert_kernel=args.expert_kernel,
         dtype=getattr(torch, args.dtype),
         prerouter=args.prerouter,
         no_prerouter=args.no_prerouter,

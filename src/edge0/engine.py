@@ -47,6 +47,7 @@ from edge0.streaming.executors import (
     PrefillPlan,
     StagedExecutor,
     WholeLayerExecutor,
+    decode_experts,
 )
 from edge0.tokenizer import eos_ids, load_tokenizer
 
@@ -219,7 +220,8 @@ class Engine:
         self.recurrent = model.new_cache(1, device="meta").recurrent
         self.tokenizer = load_tokenizer(path)
         self.eos = eos_ids(path, self.tokenizer)
-        self._exact = {i: ExactExecutor(pool, i) for i in self.moe_layers}
+        self.decode_experts = decode_experts(options.expert_kernel, options.cache_dir)
+        self._exact = {i: ExactExecutor(pool, i, self.decode_experts) for i in self.moe_layers}
         bound = plan.floor.prefix_cache
         self.prefix_cache = PrefixCache(bound) if bound else None
         # measured as requests run, for start_together's choice between a restored prefix
@@ -256,7 +258,9 @@ class Engine:
         else:
             pre = self.prerouter.new_state()
             decode = {
-                i: StagedExecutor(self.pool, i, pre) if i in self.prerouter.consumers else ex
+                i: StagedExecutor(self.pool, i, pre, self.decode_experts)
+                if i in self.prerouter.consumers
+                else ex
                 for i, ex in self._exact.items()
             }
             req = Request(cache, pre, decode)

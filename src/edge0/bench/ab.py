@@ -50,7 +50,7 @@ class BenchConfig:
 def _valid_arm(arm: str) -> bool:
     name, _, variant = arm.partition("+")
     wide = name == "prerouter" and variant[:1] == "w" and variant[1:].isdigit()
-    return name in ARMS and (variant in ("", "nolora") or wide)
+    return name in ARMS and (variant in ("", "nolora", "torch") or wide)
 
 
 def base(arm: str) -> str:
@@ -132,8 +132,8 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
     expert_bytes = sum(t.count for t in table.values()) * extent
     if not all(_valid_arm(a) for a in cfg.arms):
         raise ValueError(
-            f"--arms: choose from {', '.join(ARMS)}, each optionally +nolora, and "
-            "prerouter+wN (a stage width of N experts)"
+            f"--arms: choose from {', '.join(ARMS)}, each optionally +nolora or +torch, "
+            "and prerouter+wN (a stage width of N experts)"
         )
     capped = [a for a in cfg.arms if base(a) != "resident"]
     if capped and not cgroup.available():

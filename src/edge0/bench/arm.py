@@ -1,8 +1,9 @@
 """One arm of `edge0 bench`, run in its own process: replay a token sequence and time decode.
 
 Invoked as `python -m edge0.bench.arm SPEC.json OUT.json` by the orchestrator (edge0.bench.ab).
-The spec names the model, the arm (prerouter | ondemand | resident, optionally +nolora, or
-prerouter+wN for a stage width of N experts), K, the pool size, the
+The spec names the model, the arm (prerouter | ondemand | resident, optionally +nolora, +torch
+for the pure-PyTorch expert path instead of the fused op, or prerouter+wN for a stage width of
+N experts), K, the pool size, the
 token sequence and the number of warm-up steps. The arm prefills the first token, runs the
 warm-up steps, then times each replayed decode step.
 """
@@ -21,7 +22,7 @@ from edge0.engine import EngineOptions, load_engine
 
 
 def run(spec: dict) -> dict:
-    arm, _, variant = spec["arm"].partition("+")  # +nolora, or +wN: stage width N
+    arm, _, variant = spec["arm"].partition("+")  # +nolora, +torch, or +wN: stage width N
     width = int(variant[1:]) if variant[:1] == "w" and variant[1:].isdigit() else None
     opts = EngineOptions(
         top_k=spec["top_k"],
@@ -31,6 +32,7 @@ def run(spec: dict) -> dict:
         no_prerouter=arm != "prerouter",
         prerouter=Path(spec["prerouter"]) if arm == "prerouter" else None,
         no_lora=variant == "nolora",
+        expert_kernel="torch" if variant == "torch" else EngineOptions.expert_kernel,
         stage_width=width,
     )
     engine = load_engine(spec["model_dir"], opts)

@@ -4,6 +4,8 @@
                       then compute
   StagedExecutor      decode, prediction-routed layers: compute what the request staged for
                       this layer one token ahead
+  (both compute with a DecodeExperts: the pure-PyTorch `torch_experts`, or `FusedExperts`
+  over the native op that runs a token's K experts in one call)
   WholeLayerExecutor  prefill: read the layer's experts in runs, compute every prompt token,
                       and read the next layer while this one computes
 
@@ -15,16 +17,23 @@ Shape legend: T tokens, K active, D hidden, I expert width.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
+from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from edge0 import quant
+from edge0 import native, quant
 from edge0.models.experts import for_each_expert, swiglu_dense
+from edge0.options import EXPERT_KERNELS
 from edge0.store.extents import ExpertTensors, ExtentLayout
 from edge0.store.pool import Entry, ExpertPool
+
+log = logging.getLogger(__name__)
 
 # Below this many tokens per expert the int4 kernel beats dequantize + fp32 matmul on the
 # CPUs we measured (docs/kernels.md); above it the dense matmul amortises the dequantization.
@@ -45,18 +54,67 @@ def swiglu_extent(layout: ExtentLayout, x: torch.Tensor, t: ExpertTensors) -> to
     return swiglu_dense(x.float(), w13, w2)
 
 
+class DecodeExperts(Protocol):
+    """x [T, D] through each token's experts, whose int4 tensors are in `tensors` -> [T, K, D]."""
+
+    def __call__(
+        self, x: torch.Tensor, indices: torch.Tensor, tensors: dict[int, ExpertTensors]
+    ) -> torch.Tensor: ...
+
+
+def torch_experts(
+    x: torch.Tensor, indices: torch.Tensor, tensors: dict[int, ExpertTensors]
+) -> torch.Tensor:
+    """The reference: one expert at a time in PyTorch ops."""
+    return for_each_expert(x, indices, lambda e, xs: swiglu_int4(xs, tensors[e]))
+
+
+class FusedExperts:
+    """Each token's K experts in one call of the native op (native/experts.cpp), which runs
+    the ops of swiglu_int4 in the same order: bit-identical to torch_experts, less dispatch."""
+
+    def __init__(self, op: Callable[..., torch.Tensor]):
+        self.op = op
+
+    def __call__(
+        self, x: torch.Tensor, indices: torch.Tensor, tensors: dict[int, ExpertTensors]
+    ) -> torch.Tensor:
+        rows = []
+        for t, experts in enumerate(indices.tolist()):
+            ts = [tensors[e] for e in experts]
+            fields = ([a.w13 for a in ts], [a.p13 for a in ts], [a.w2 for a in ts])
+            rows.append(self.op(x[t : t + 1], *fields, [a.p2 for a in ts]))  # [K, D]
+        return torch.stack(rows)  # [T, K, D]
+
+
+def decode_experts(kernel: str, cache_dir: Path | None = None) -> DecodeExperts:
+    """The decode compute that EngineOptions.expert_kernel names ("auto": fused where the
+    native op builds, else torch, with a warning saying why)."""
+    if kernel not in EXPERT_KERNELS:
+        raise ValueError(f"expert_kernel must be one of {', '.join(EXPERT_KERNELS)}: {kernel!r}")
+    if kernel == "torch":
+        return torch_experts
+    try:
+        return FusedExperts(native.swiglu_int4_experts(cache_dir))
+    except native.NativeUnavailable as e:
+        if kernel == "fused":
+            raise
+        log.warning("%s; decode uses the pure-PyTorch expert path", e)
+        return torch_experts
+
+
 class ExactExecutor:
     """Decode path: pin the routed experts (reading the missing ones), compute, unpin."""
 
-    def __init__(self, pool: ExpertPool, layer: int):
-        self.pool, self.layer = pool, layer
+    def __init__(self, pool: ExpertPool, layer: int, compute: DecodeExperts = torch_experts):
+        self.pool, self.layer, self.compute = pool, layer, compute
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         experts = torch.unique(indices).tolist()
         entries = self.pool.request(self.layer, experts)
         try:
             tensors = dict(zip(experts, self.pool.wait(entries), strict=True))
-            return for_each_expert(x, indices, lambda e, xs: swiglu_int4(xs, tensors[e]))
+            return self.compute(x, indices, tensors)
         finally:
             self.pool.release(entries)
 
@@ -69,8 +127,9 @@ class StagedExecutor:
     pool had no room to stage this layer, its experts are read now, like the exact path.
     """
 
-    def __init__(self, pool: ExpertPool, layer: int, state):
+    def __init__(self, pool: ExpertPool, layer: int, state, compute: DecodeExperts = torch_experts):
         self.pool, self.layer, self.state = pool, layer, state  # the request's PrerouterState
+        self.compute = compute
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         staged = {en.key[1]: en for en in self.state.take(self.layer)}
@@ -86,7 +145,7 @@ class StagedExecutor:
             tensors = dict(
                 zip(experts, self.pool.wait([by_expert[e] for e in experts]), strict=True)
             )
-            return for_each_expert(x, indices, lambda e, xs: swiglu_int4(xs, tensors[e]))
+            return self.compute(x, indices, tensors)
         finally:
             self.pool.release(entries)
 

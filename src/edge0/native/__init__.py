@@ -1,0 +1,114 @@
+"""Native kernels, compiled from source on the machine that runs them.
+
+One op so far, `torch.ops.edge0.swiglu_int4_experts`: a decode token through its K int4
+experts in one call (experts.cpp). It calls only ATen ops, so it computes bit-identically
+to the pure-PyTorch path and ATen still picks the int4 kernel for the CPU at hand; what it
+removes is the Python and dispatch between ~16 ops per expert.
+
+The library is compiled with the system's C++ compiler against the installed torch's
+headers, in a child process, the first time it is needed (`make` set-up does it: `python -m
+edge0.native`), and kept under the cache directory, one build per torch version and source.
+A machine without a compiler gets `NativeUnavailable` naming why, and the engine then uses
+the pure-PyTorch path (EngineOptions.expert_kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from edge0.store.relayout import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("experts.cpp")
+CFLAGS = ["-O2"]  # no -march: the code is ISA-neutral, ATen dispatches the kernels
+
+
+class NativeUnavailable(RuntimeError):
+    """The native library could not be built or loaded here (the message says why)."""
+
+
+def library_path(cache_dir: Path | None = None) -> Path:
+    """Where this torch's build of this source lives (its name carries the source's hash)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    name = f"edge0_experts_{digest}"
+    root = (cache_dir or default_cache_dir()) / "native" / f"torch-{torch.__version__}"
+    return root / name / f"{name}.so"
+
+
+def build(cache_dir: Path | None = None) -> Path:
+    """Compile the library unless it is there; returns its path.
+
+    The compiler runs in a child process (torch.utils.cpp_extension, with ninja from the
+    `ninja` package on its PATH), so a failing toolchain cannot take the caller down.
+    """
+    path = library_path(cache_dir)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    try:
+        import ninja  # the build tool torch's extension builder drives
+
+        env["PATH"] = ninja.BIN_DIR + os.pathsep + env.get("PATH", "")
+    except ImportError:
+        pass  # a system ninja may still be on PATH; torch says so if not
+    log.info("compiling the fused expert kernel once for this torch (%s)", path.parent)
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "edge0.native", "--compile-into", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode or not path.exists():
+        tail = [line[:200] for line in (proc.stderr or proc.stdout).strip().splitlines()[-3:]]
+        raise NativeUnavailable(
+            "could not compile the fused expert kernel (a C++ compiler and torch's headers "
+            f"are needed; expert_kernel='torch' computes the same without it): "
+            f"{' | '.join(tail) or f'exit status {proc.returncode}'}"
+        )
+    log.info("compiled in %.1f s", time.perf_counter() - start)
+    return path
+
+
+def compile_into(path: Path) -> None:
+    """The child process's half of build(): compile SOURCE into `path`.
+
+    The library is linked in a work folder and renamed into place, so a process that finds
+    `path` never loads a half-written file.
+    """
+    from torch.utils import cpp_extension
+
+    work = path.parent / "build"
+    work.mkdir(exist_ok=True)
+    built = cpp_extension.load(
+        name=path.stem,
+        sources=[str(SOURCE)],
+        extra_cflags=CFLAGS,
+        build_directory=str(work),
+        is_python_module=False,
+    )
+    os.replace(built, path)
+
+
+@functools.cache
+def _load(path: str) -> None:
+    # dlopen runs the op registration once per process; a second load would register twice
+    torch.ops.load_library(path)
+
+
+def swiglu_int4_experts(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
+    """The op, built and loaded if need be: (x [1, D], w13s, p13s, w2s, p2s) -> [K, D]."""
+    _load(str(build(cache_dir)))
+    return torch.ops.edge0.swiglu_int4_experts
