@@ -17,7 +17,7 @@ from edge0.prerouter.head import Prerouter, StackedHeads, Wiring, features
 from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
 from edge0.routing import topk_onehot
 from edge0.sampling import SamplingParams
-from edge0.train.heads import HeadsConfig, train_heads
+from edge0.train.heads import HeadsConfig, local_order, train_heads
 from edge0.train.student import load_student, sample
 from helpers import TEXT, DelayedReads, make_hf_model
 
@@ -414,3 +414,14 @@ def test_prerouter_file_carries_provenance(dirs):
         "format_version",
     ):
         assert key in meta, key
+
+
+def test_heads_training_order_is_a_permutation_read_a_few_chunks_at_a_time():
+    gen = torch.Generator().manual_seed(0)
+    n, chunk, group = 10_000, 100, 4
+    order = local_order(n, gen, chunk, group)
+    assert torch.equal(order.sort().values, torch.arange(n))  # every row once
+    for start in range(0, n, chunk * group):  # a group's rows come from `group` chunks only
+        assert len(torch.unique(order[start : start + chunk * group] // chunk)) <= group
+    # and within a group the rows are shuffled, not in file order
+    assert not torch.equal(order[: chunk * group].sort().values, order[: chunk * group])

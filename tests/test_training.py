@@ -7,6 +7,7 @@ phase 2 SFT, phase 3 on-policy distillation, and `evaluate`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sysconfig
 from pathlib import Path
@@ -197,3 +198,21 @@ def test_lora_retention_is_reported(pipeline):
         assert set(r[scheme]) >= {"weight_retention_mean", "logits_retention"}
     # bf16 keeps nearly the whole delta; int4 re-quantization keeps much less of it
     assert r["bf16"]["weight_retention_mean"] > r["int4"]["weight_retention_mean"]
+
+
+def test_eval_prices_an_int4_floor_for_a_model_that_keeps_it_in_bf16(pipeline, tmp_path):
+    convert(pipeline["tmp"] / "teacher", tmp_path / "bf16", resident="bf16", progress=False)
+    cfg = evaluate.EvalConfig(
+        teacher=pipeline["tmp"] / "teacher", data=tuple(pipeline["data"]), windows=4, seq_len=64
+    )
+    arms = evaluate.evaluate(tmp_path / "bf16", cfg, progress=False)["arms"]
+    labels = [r["arm"] for r in arms]
+    assert labels[1].startswith("int4, native routing, native") and "floor" not in labels[1]
+    assert labels[2].startswith("+ int4 floor")
+    # quantizing attention, embeddings and the LM head as well costs more than experts alone
+    assert arms[2]["kl_teacher_arm"] > arms[1]["kl_teacher_arm"] > 0
+    # the int4 model the pipeline converted is the same conversion: the same numbers
+    int4 = evaluate.evaluate(
+        pipeline["tmp"] / "e0", dataclasses.replace(cfg, int4_floor=False), progress=False
+    )
+    assert int4["arms"][1]["perplexity"] == pytest.approx(arms[2]["perplexity"], rel=1e-6)

@@ -3,6 +3,9 @@
 Arms (each adds one thing to the one above it):
   teacher              full precision, native K, gate routing
   int4 native K        the dequantized int4 experts, gate routing, native K
+  + int4 floor         ... and the resident floor in int4 as well (what `edge0 convert` writes
+                       by default), when MODEL_DIR keeps its floor in bf16: the teacher is
+                       converted into a scratch folder for it
   int4 served K        ... serving K experts per token
   + prerouter          ... consumer layers routed by the heads' predictions
   + LoRA (phase 2)     ... with the SFT adapter
@@ -23,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from edge0 import lora, modeldir
+from edge0.convert import convert
 from edge0.plan import resolve_top_k
 from edge0.tokenizer import load_tokenizer
 from edge0.train import common
@@ -49,6 +54,7 @@ class EvalConfig:
     lora_sft: Path | None = None
     lora_opd: Path | None = None
     stage_widths: tuple[int, ...] | None = None  # W > K arms (None: 1.5K and 2K)
+    int4_floor: bool = True  # price an int4 resident floor when MODEL_DIR's is bf16
 
 
 def default_paths(model_dir: Path, cfg: EvalConfig) -> EvalConfig:
@@ -68,10 +74,17 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
     teacher = load_teacher(cfg.teacher)
     manifest = modeldir.Manifest.load(model_dir)
     native = load_student(model_dir, top_k=manifest.native_top_k, heads=False)
+    floor = manifest.quantization.get("resident", "bf16")
     out = [
         ("teacher (full precision, native K)", lambda t: teacher(t)),
-        (f"int4, native routing, native K={native.top_k}", lambda t: native.forward(t, 1)),
+        (
+            f"int4, native routing, native K={native.top_k}"
+            + (" (int4 floor)" if floor == "int4" else ""),
+            lambda t: native.forward(t, 1),
+        ),
     ]
+    if cfg.int4_floor and floor != "int4":
+        out.append((f"+ int4 floor, native K={native.top_k}", _int4_floor(cfg)))
     served_k = resolve_top_k(cfg.top_k, manifest.served_top_k, manifest.native_top_k)
     if served_k != native.top_k:
         served = load_student(model_dir, top_k=served_k, heads=False)
@@ -90,6 +103,19 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
             if opd is not None:  # the same phase-3 model, routed at W
                 out.append((f"W={w}: + phase 3", _wide(opd, w)))
     return out
+
+
+def _int4_floor(cfg: EvalConfig):
+    """The teacher converted as `edge0 convert` does by default (int4 floor and experts) into
+    a scratch folder that lives as long as the arm."""
+    scratch = tempfile.TemporaryDirectory(prefix="edge0-eval-")
+    convert(cfg.teacher, Path(scratch.name), force=True, progress=False)
+    student = load_student(scratch.name, heads=False)  # a fresh conversion serves native K
+
+    def forward(t, _scratch=scratch):  # holds the folder until the arm is dropped
+        return student.forward(t, 1)
+
+    return forward
 
 
 def stage_widths(cfg: EvalConfig, k: int, num_experts: int) -> list[int]:
