@@ -51,7 +51,13 @@ def stages(work: Path) -> list[tuple[str, Path, list[str]]]:
                 "25",
             ],
         ),
-        ("convert", model / "edge0.json", ["convert", str(teacher), str(model)]),
+        # the floor stays bf16: int4 would save ~5 MiB here and cost 1.6 held-out perplexity
+        # points (eval's "+ int4 floor" arm, docs/builtin-model.md)
+        (
+            "convert",
+            model / "edge0.json",
+            ["convert", str(teacher), str(model), "--resident", "bf16"],
+        ),
         (
             "heads",
             model / modeldir.PREROUTER_FILE,
