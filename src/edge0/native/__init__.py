@@ -14,7 +14,6 @@ the pure-PyTorch path (EngineOptions.expert_kernel).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -55,7 +54,12 @@ def build(cache_dir: Path | None = None) -> Path:
     path = library_path(cache_dir)
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NativeUnavailable(
+            f"cannot create {path.parent} for the fused expert kernel: {e}"
+        ) from e
     env = dict(os.environ)
     try:
         import ninja  # the build tool torch's extension builder drives
@@ -102,13 +106,15 @@ def compile_into(path: Path) -> None:
     os.replace(built, path)
 
 
-@functools.cache
-def _load(path: str) -> None:
-    # dlopen runs the op registration once per process; a second load would register twice
-    torch.ops.load_library(path)
+def _registered() -> bool:
+    return hasattr(torch.ops.edge0, "swiglu_int4_experts")
 
 
 def swiglu_int4_experts(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
-    """The op, built and loaded if need be: (x [1, D], w13s, p13s, w2s, p2s) -> [K, D]."""
-    _load(str(build(cache_dir)))
+    """The op, built and loaded if need be: (x [1, D], w13s, p13s, w2s, p2s) -> [K, D].
+
+    A process registers the op once: loading a second build (another cache folder) would
+    register it again, which aborts the process, so a registered op is used as it is."""
+    if not _registered():
+        torch.ops.load_library(str(build(cache_dir)))
     return torch.ops.edge0.swiglu_int4_experts
