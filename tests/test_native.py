@@ -93,3 +93,17 @@ def test_the_op_compiles_from_source_into_an_empty_cache(tmp_path):
     out = subprocess.run([sys.executable, "-c", check, str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "swiglu_int4_experts(Tensor x, Tensor[] w13" in out.stdout
+
+
+def test_the_cli_names_the_reason_when_fused_cannot_be_built(tmp_path):
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), XDG_CACHE_HOME=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-m", "edge0", "generate", "--prompt", "def", "--max-tokens", "2"]
+        + ["--expert-kernel", "fused"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "edge0: error: could not compile the fused expert kernel" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -27,6 +27,7 @@ from edge0.cli_args import (
 )
 from edge0.cli_train import add_eval_parser, add_train_parsers
 from edge0.int4_layout import LAYOUTS
+from edge0.native import NativeUnavailable
 from edge0.options import DEFAULT_IO_MODE
 from edge0.plan import RUNTIME_RESERVE
 from edge0.store.expert_file import IO_MODES
@@ -41,6 +42,7 @@ USER_ERRORS = (
     ValueError,
     KeyError,
     ImportError,
+    NativeUnavailable,  # --expert-kernel fused where the op cannot be built
 )
 
 # -- commands ---------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ def build(cache_dir: Path | None = None) -> Path:
         env["PATH"] = ninja.BIN_DIR + os.pathsep + env.get("PATH", "")
     except ImportError:
         pass  # a system ninja may still be on PATH; torch says so if not
-    log.info("compiling the fused expert kernel once for this torch (%s)", path.parent)
+    # a warning, not info: the first start pauses ~15 s, once (`make` does it at set-up)
+    log.warning("compiling the fused expert kernel for this machine, once (%s)", path.parent)
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "edge0.native", "--compile-into", str(path)],
