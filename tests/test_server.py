@@ -167,6 +167,10 @@ class ScriptedGeneration:
             self.finish_reason = "length"
         self.done = True
 
+    @property
+    def started(self) -> bool:
+        return True  # nothing to prefill, so never part of a batched start
+
     def __iter__(self):
         return self._it
 

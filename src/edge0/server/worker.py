@@ -209,9 +209,9 @@ class Worker:
                 a = self._active[0] if self._active else None
                 self._active.rotate(-1)  # it goes to the back of the line
                 unstarted = []
-                if a is not None and not getattr(a.gen, "started", True):
+                if a is not None and not a.gen.started:
                     # its first turn: the others admitted since, not started either, join it
-                    unstarted = [b for b in self._active if not getattr(b.gen, "started", True)]
+                    unstarted = [b for b in self._active if not b.gen.started]
             for job, event in ended:
                 job.sink(event)
             if len(unstarted) > 1 and not self._start_together(unstarted):
