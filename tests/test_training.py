@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from edge0 import evaluate
+from edge0 import cli, evaluate
 from edge0.convert import convert
 from edge0.train.heads import HeadsConfig, train_heads
 from edge0.train.opd import OPDConfig, reverse_kl_topk_tail, train_opd
@@ -216,3 +216,9 @@ def test_eval_prices_an_int4_floor_for_a_model_that_keeps_it_in_bf16(pipeline, t
         pipeline["tmp"] / "e0", dataclasses.replace(cfg, int4_floor=False), progress=False
     )
     assert int4["arms"][1]["perplexity"] == pytest.approx(arms[2]["perplexity"], rel=1e-6)
+    # the CLI can leave the arm out (it converts the whole teacher)
+    args = ["eval", str(tmp_path / "bf16"), "--teacher", str(pipeline["tmp"] / "teacher")]
+    args += ["--data", *map(str, pipeline["data"]), "--windows", "2", "--seq-len", "64"]
+    assert cli.main([*args, "--no-int4-floor", "--json", str(tmp_path / "e.json"), "--quiet"]) == 0
+    labels = [r["arm"] for r in json.loads((tmp_path / "e.json").read_text())["arms"]]
+    assert labels[1].startswith("int4, native routing") and not any("floor" in a for a in labels)

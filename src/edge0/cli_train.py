@@ -290,6 +290,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         prerouter=args.prerouter,
         lora_sft=args.lora_sft,
         lora_opd=args.lora,
+        int4_floor=not args.no_int4_floor,
     )
     result = evaluate.evaluate(model_dir, cfg, progress=not args.quiet)
     print(evaluate.table(result))
@@ -317,6 +318,12 @@ def add_eval_parser(sub) -> None:
         "--prompt",
         default="def main(argv):\n",
         help="lora-retention: the prompt whose first-token logits are compared",
+    )
+    e.add_argument(
+        "--no-int4-floor",
+        action="store_true",
+        help="skip the '+ int4 floor' arm of a bf16-floor model (it converts the teacher into "
+        "a scratch folder: the teacher's size in disk and time)",
     )
     e.add_argument("--json", type=Path, default=None)
     e.add_argument("--quiet", action="store_true")
