@@ -222,3 +222,18 @@ def test_eval_prices_an_int4_floor_for_a_model_that_keeps_it_in_bf16(pipeline, t
     assert cli.main([*args, "--no-int4-floor", "--json", str(tmp_path / "e.json"), "--quiet"]) == 0
     labels = [r["arm"] for r in json.loads((tmp_path / "e.json").read_text())["arms"]]
     assert labels[1].startswith("int4, native routing") and not any("floor" in a for a in labels)
+
+
+def test_the_held_out_split_of_data_files_does_not_depend_on_where_they_live(tmp_path):
+    from edge0.train.data import load_texts
+
+    texts = {f"pkg/mod{i}.py": f"def f{i}():\n    return {i}\n" for i in range(40)}
+    for root in ("a", "b/deeper"):
+        for name, text in texts.items():
+            (tmp_path / root / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / root / name).write_text(text)
+    for split in ("train", "heldout"):
+        here = load_texts([str(tmp_path / "a")], split)
+        there = load_texts([str(tmp_path / "b/deeper")], split)
+        assert here == there  # the same documents and the same data hash
+    assert 0 < len(load_texts([str(tmp_path / "a")], "heldout")[0]) < len(texts)

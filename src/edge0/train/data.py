@@ -16,28 +16,33 @@ from edge0 import corpus
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".jsonl", ".c", ".h", ".js", ".ts", ".html"}
 
 
-def _files(paths: list[str]) -> list[Path]:
-    out: list[Path] = []
+def _files(paths: list[str]) -> list[tuple[Path, str]]:
+    """(file, name) of every text file below `paths`. The name is the file's path below the
+    directory it was found in (a file given by itself: its name), so that the held-out split
+    and the data hash do not depend on where the data lives."""
+    out: list[tuple[Path, str]] = []
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"--data {p}: no such file or directory")
         if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+            out += [(f, f.relative_to(p).as_posix()) for f in found]
         else:
-            out.append(p)
+            out.append((p, p.name))
     if not out:
         raise ValueError(f"--data {' '.join(paths)}: no text files found")
     return out
 
 
-def read_files(paths: list[str], split: str | None = None) -> list[tuple[Path, str]]:
-    """(path, text) of every text file below `paths`, of one split or of both (None)."""
+def read_files(paths: list[str], split: str | None = None) -> list[tuple[str, str]]:
+    """(name, text) of every text file below `paths` (names as _files gives them), of one
+    split or of both (None)."""
     out = []
-    for f in _files(paths):
-        if split is not None and corpus.split_of(str(f)) != split:
+    for f, name in _files(paths):
+        if split is not None and corpus.split_of(name) != split:
             continue
         try:
-            out.append((f, f.read_text(encoding="utf-8")))
+            out.append((name, f.read_text(encoding="utf-8")))
         except UnicodeDecodeError as e:
             raise ValueError(f"--data {f}: not UTF-8 text ({e})") from e
     return out
@@ -50,9 +55,9 @@ def load_texts(data: list[str], split: str) -> tuple[list[str], str]:
         return [d.text for d in docs], corpus.corpus_hash(docs)
     docs = []
     h = hashlib.sha256()
-    for f, text in read_files(data, split):
+    for name, text in read_files(data, split):
         docs.append(text)
-        h.update(str(f).encode() + b"\0" + text.encode() + b"\0")
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
     if not docs:
         raise ValueError(f"--data: no {split} documents (a held-out share needs several files)")
     return docs, h.hexdigest()

@@ -52,7 +52,7 @@ def extra_documents(sources: list[str]) -> list[corpus.Document]:
         if src == "site-packages":
             docs += corpus.site_packages_documents()
         else:
-            docs += [corpus.Document(str(f), text) for f, text in read_files([src])]
+            docs += [corpus.Document(name, text) for name, text in read_files([src])]
     # a fixed order that mixes packages, so a cap takes a sample of all of them
     return sorted(docs, key=lambda d: hashlib.sha256(d.name.encode()).digest())
 
