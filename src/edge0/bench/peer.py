@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from edge0 import cgroup, memory, modeldir
+from edge0 import cgroup, machine, memory, modeldir
 from edge0.bench import peer_gguf
 from edge0.bench.peer_arm import ENGINES
 from edge0.options import EngineOptions
@@ -259,7 +259,7 @@ def run_peer(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> dict:
     summary.update(
         peer=cfg.peer,
         llama_cpp_python=version,
-        machine={**machine(), "llama_cpp_system_info": ggml},
+        machine={**machine.describe(), "llama_cpp_system_info": ggml},
         models={
             "hf": str(models.hf),
             "edge0": str(models.edge0),
@@ -277,24 +277,6 @@ def run_peer(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> dict:
         runs=runs,
     )
     return summary
-
-
-def machine() -> dict:
-    """The CPU as lscpu names it and the kernel torch dispatches to (its int4 layout too)."""
-    import torch
-
-    name = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                name = line.partition(":")[2].strip()
-                break
-    return {
-        "cpu": name,
-        "cores": os.cpu_count(),
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
-    }
 
 
 def summarize(runs: list[dict], caps: list[tuple[str, int | None]], engines: list[str]) -> dict:

@@ -19,11 +19,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from edge0 import builtin, corpus
+from edge0 import builtin, corpus, machine
 from edge0.models.experts import ResidentExperts, for_each_expert, swiglu_dense
 from edge0.train.teacher import TeacherConfig, TrainStep, build_model
 
@@ -137,7 +136,7 @@ def run(arms: list[str], steps: int = 8, warmup: int = 2, rounds: int = 3) -> di
             }
         )
     return {
-        "cpu": cpu_name(),
+        "cpu": f"{machine.cpu_model()}, {os.cpu_count()} CPUs",
         "capability": torch.backends.cpu.get_cpu_capability(),
         "steps": steps,
         "warmup": warmup,
@@ -145,13 +144,6 @@ def run(arms: list[str], steps: int = 8, warmup: int = 2, rounds: int = 3) -> di
         "load_average_1min": [round(x, 2) for x in load],
         "rows": rows,
     }
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} CPUs"
-    return f"unknown, {os.cpu_count()} CPUs"
 
 
 def report(summary: dict) -> str:
