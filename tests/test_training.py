@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from edge0 import cli, evaluate
+from edge0 import cli, evaluate, lora
 from edge0.convert import convert
 from edge0.train.heads import HeadsConfig, train_heads
 from edge0.train.opd import OPDConfig, reverse_kl_topk_tail, train_opd
-from edge0.train.sft import SFTConfig, train_sft
+from edge0.train.sft import SFTConfig, forward_kl, train_sft
 from edge0.train.teacher import TeacherConfig, train_teacher
 
 pytestmark = pytest.mark.slow
@@ -187,6 +187,31 @@ def test_reverse_kl_with_tail_is_zero_only_at_the_teacher():
     p = torch.randn(5, 50)
     assert reverse_kl_topk_tail(p, p, 8).item() == pytest.approx(0.0, abs=1e-6)
     assert reverse_kl_topk_tail(p + torch.randn(5, 50), p, 8).item() > 1e-3
+
+
+def test_forward_kl_is_zero_only_at_the_teacher():
+    p = torch.randn(5, 50)
+    assert forward_kl(p, p).item() == pytest.approx(0.0, abs=1e-6)
+    q = p + torch.randn(5, 50)
+    expected = (p.softmax(-1) * (p.log_softmax(-1) - q.log_softmax(-1))).sum(-1).mean()
+    assert forward_kl(q, p).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert forward_kl(q, p).item() > 1e-3
+
+
+def test_phase2_with_the_teachers_distribution_learns(pipeline, tmp_path):
+    """`loss="kl"`: the teacher scores the sampled tokens and the LoRA learns its whole
+    distribution there; the loss falls over a short run."""
+    tmp, data = pipeline["tmp"], pipeline["data"]
+    cfg = dataclasses.replace(pipeline["sft_cfg"], loss="kl", samples=128, steps=40)
+    out = tmp_path / "kl.safetensors"
+    train_sft(tmp / "e0", tmp / "teacher", data, out, cfg, progress=False)
+    losses = [
+        e["loss"]
+        for e in json.loads((tmp_path / "kl.safetensors.run" / "log.json").read_text())["entries"]
+    ]
+    assert len(losses) == 40
+    assert sum(losses[-10:]) < 0.8 * sum(losses[:10])
+    assert lora.read(out).metadata["loss"] == "kl"
 
 
 def test_lora_retention_is_reported(pipeline):

@@ -246,6 +246,13 @@ def add_train_parsers(sub) -> None:
             p.add_argument("--gen-len", type=int, default=96)
             p.add_argument("--steps", type=int, default=300)
             p.add_argument("--lr", type=float, default=1e-3)
+            p.add_argument(
+                "--loss",
+                choices=("ce", "kl"),
+                default="ce",
+                help="ce: cross-entropy of the teacher's sampled tokens; kl: KL to the "
+                "teacher's whole distribution at each of those positions",
+            )
         else:
             p.add_argument(
                 "--init",

@@ -39,6 +39,10 @@ class SFTConfig:
     prompt_len: int = 32
     gen_len: int = 96
     temperature: float = 1.0  # CE on T=1 samples estimates KL(teacher || student)
+    # "ce": cross-entropy of the sampled tokens; "kl": KL(teacher || student) over the whole
+    # vocabulary at each continuation position, the teacher scoring the same tokens (the
+    # quantity CE estimates from one sample, without its variance)
+    loss: str = "ce"
     gen_batch: int = 32
     steps: int = 300
     batch: int = 8
@@ -88,6 +92,13 @@ def continuation_loss(logits: torch.Tensor, tokens: torch.Tensor, prompt_len: in
     )
 
 
+def forward_kl(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(p || q), p = softmax(target) (teacher), q = softmax(logits)."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(target.float(), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1).mean()
+
+
 def train_sft(
     model_dir: Path,
     teacher_dir: Path,
@@ -97,6 +108,8 @@ def train_sft(
     heads: Path | None = None,
     progress: bool = True,
 ) -> dict:
+    if cfg.loss not in ("ce", "kl"):
+        raise ValueError(f"loss must be 'ce' or 'kl', got {cfg.loss!r}")
     model_dir, out = Path(model_dir), Path(out)
     run = out.with_name(out.name + ".run")
     run.mkdir(parents=True, exist_ok=True)
@@ -121,11 +134,18 @@ def train_sft(
         stage_width=cfg.stage_width,
     )
     student.model.train()
+    teacher = load_teacher(teacher_dir, device) if cfg.loss == "kl" else None
+    p = cfg.prompt_len
 
     def loss_fn(step: int) -> torch.Tensor:
         idx = torch.randint(0, tokens.shape[0], (cfg.batch,), generator=gen)
         batch = tokens[idx].to(device)
-        return continuation_loss(student.forward(batch, cfg.prompt_len), batch, cfg.prompt_len)
+        logits = student.forward(batch, p)
+        if teacher is None:
+            return continuation_loss(logits, batch, p)
+        with torch.no_grad():
+            target = teacher(batch)[:, p - 1 : -1]
+        return forward_kl(logits[:, p - 1 : -1], target)
 
     runlog = train_lora(
         student,
@@ -148,6 +168,7 @@ def train_sft(
         "K": str(student.top_k),
         "W": str(student.stage_width or student.top_k),
         "seed": str(cfg.seed),
+        "loss": cfg.loss,
     }
     lora.save(student.model, out, meta)
     return {
