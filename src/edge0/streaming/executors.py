@@ -103,6 +103,12 @@ def decode_experts(kernel: str, cache_dir: Path | None = None) -> DecodeExperts:
         return torch_experts
 
 
+def distinct(indices: torch.Tensor) -> list[int]:
+    """A decode step's experts, ascending, as torch.unique gives them: for a token's K
+    indices one list conversion replaces the unique op (5 dispatches) and its conversion."""
+    return sorted(set(indices.flatten().tolist()))
+
+
 class ExactExecutor:
     """Decode path: pin the routed experts (reading the missing ones), compute, unpin."""
 
@@ -110,7 +116,7 @@ class ExactExecutor:
         self.pool, self.layer, self.compute = pool, layer, compute
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        experts = torch.unique(indices).tolist()
+        experts = distinct(indices)
         entries = self.pool.request(self.layer, experts)
         try:
             tensors = dict(zip(experts, self.pool.wait(entries), strict=True))
@@ -133,7 +139,7 @@ class StagedExecutor:
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         staged = {en.key[1]: en for en in self.state.take(self.layer)}
-        experts = torch.unique(indices).tolist()
+        experts = distinct(indices)
         late = [e for e in experts if e not in staged]
         stats = self.state.rt.stats
         if staged:
