@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from edge0 import builtin, cli, modeldir
+from edge0 import builtin, cli, lora, modeldir
 from edge0.checkpoint import sha256_file
 from edge0.loader import load_hf_model
 from helpers import greedy_hf, greedy_ours
@@ -32,6 +32,18 @@ def test_shipped_files_match_their_recorded_hashes():
     for name, digest in record["teacher_files"].items():
         assert sha256_file(builtin.teacher_dir() / name) == digest, name
     assert record["total_bytes"] < 90 * 2**20
+    # every stage's wall time, and the machine they were measured on
+    assert set(record["stages_s"]) == {"teacher", "convert", "heads", "sft", "opd", "eval"}
+    assert all(t > 0 for t in record["stages_s"].values())
+    assert record["machine"]["cpu"] and record["machine"]["torch_cpu_capability"]
+
+
+def test_the_served_lora_was_trained_on_the_served_path():
+    model = builtin.model_dir()
+    manifest = modeldir.Manifest.load(model)
+    meta = lora.read(model / modeldir.LORA_FILE).metadata
+    assert (meta["K"], meta["W"]) == (str(manifest.served_top_k), str(manifest.served_stage_width))
+    assert manifest.served_stage_width > manifest.served_top_k  # the router picks among staged
 
 
 def test_transformers_loads_the_teacher_and_agrees_greedily():

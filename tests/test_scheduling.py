@@ -160,7 +160,12 @@ def test_prompts_prefilled_together_decode_as_they_do_alone(whole_prompts):
     reqs = [engine.new_request() for _ in prompts]
     together = engine.prefill_together(reqs, prompts)
     for req, got, want, staged in zip(reqs, together, solo_logits, solo_staged, strict=True):
-        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+        # within one bf16 step (2^-8) of the largest logit: the int4 kernel rounds its
+        # activations to bf16, so the ~1e-5 fp32 differences between a batched and a solo
+        # forward can move an activation by one bf16 step (the 3-pass built-in model: 1.9e-3
+        # relative on one of these prompts, no routing choice changed). Equal staged experts
+        # and tokens, below, are the exact checks.
+        assert (got - want).abs().max() <= 2**-8 * want.abs().max()
         assert {c: sorted(e.key for e in v) for c, v in req.pre.staged.items()} == staged
         req.release()
     solo = []

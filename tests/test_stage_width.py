@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge0 import builtin
+from edge0 import builtin, modeldir
 from edge0.engine import EngineOptions, load_engine
 from edge0.plan import make_plan
 from edge0.routing import sigmoid_group, softmax_topk
@@ -58,8 +58,9 @@ def test_the_plan_stages_w_experts_per_layer():
         make_plan(sizes(), EngineOptions(max_context=64, stage_width=1))
 
 
-@pytest.mark.parametrize("width", [6, 8])
-def test_the_router_picks_among_the_staged_experts(width):
+@pytest.mark.parametrize("factor", [1.5, 2])
+def test_the_router_picks_among_the_staged_experts(factor):
+    width = int(factor * modeldir.Manifest.load(builtin.model_dir()).served_top_k)
     engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered", stage_width=width))
     k = engine.top_k
     assert engine.prerouter.wide and engine.plan.stage_width == width > k
