@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from edge0 import cli, evaluate, lora
 from edge0.convert import convert
+from edge0.train import common
 from edge0.train.heads import HeadsConfig, train_heads
 from edge0.train.opd import OPDConfig, reverse_kl_topk_tail, train_opd
 from edge0.train.sft import SFTConfig, forward_kl, train_sft
@@ -262,3 +263,68 @@ def test_the_held_out_split_of_data_files_does_not_depend_on_where_they_live(tmp
         there = load_texts([str(tmp_path / "b/deeper")], split)
         assert here == there  # the same documents and the same data hash
     assert 0 < len(load_texts([str(tmp_path / "a")], "heldout")[0]) < len(texts)
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_once_at(monkeypatch, key: str, value: int) -> None:
+    """RunLog.add raises once, at the entry whose `key` is `value`: that step's update ran
+    but no checkpoint after it was written, as if the process died there."""
+    real = common.RunLog.add
+    fired: list[bool] = []
+
+    def add(self, **entry):
+        if entry.get(key) == value and not fired:
+            fired.append(True)
+            raise Crash
+        real(self, **entry)
+
+    monkeypatch.setattr(common.RunLog, "add", add)
+
+
+def run_phase(phase: str, pipeline: dict, out: Path) -> None:
+    tmp, data = pipeline["tmp"], pipeline["data"]
+    if phase == "heads":
+        cfg = HeadsConfig(
+            top_k=2, width=32, train_tokens=2000, heldout_tokens=1000, seq_len=64, epochs=3
+        )
+        train_heads(tmp / "e0", data, out, cfg, progress=False)
+    elif phase == "sft":
+        cfg = SFTConfig(
+            top_k=2, rank=4, alpha=8, samples=16, prompt_len=16, gen_len=8, gen_batch=16,
+            steps=6, batch=4, save_every=2, loss="kl",
+        )  # fmt: skip
+        train_sft(tmp / "e0", tmp / "teacher", data, out, cfg, progress=False)
+    else:
+        cfg = OPDConfig(
+            top_k=2, prompt_len=16, gen_len=8, batch=4, steps=6, save_every=2, teacher_topk=8
+        )
+        init = tmp / "e0" / "lora-phase2.safetensors"
+        train_opd(tmp / "e0", tmp / "teacher", data, init, out, cfg, progress=False)
+
+
+@pytest.mark.parametrize("phase", ["heads", "sft", "opd"])
+def test_each_phase_resumes_bit_exactly_after_a_crash(pipeline, tmp_path, monkeypatch, phase):
+    """A run that dies after an unsaved step and is started again ends with the same weights
+    and the same logged losses as a run that never stopped."""
+    torch.set_num_threads(1)  # conftest restores the count; summation order must not change
+    straight, crashed = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    run_phase(phase, pipeline, straight)
+    key, value = ("epoch", 2) if phase == "heads" else ("step", 5)  # checkpoints: 1 / 2, 4
+    crash_once_at(monkeypatch, key, value)
+    with pytest.raises(Crash):
+        run_phase(phase, pipeline, crashed)
+    assert not crashed.exists()
+    run_phase(phase, pipeline, crashed)  # resumes from its checkpoint
+
+    a, b = load_file(str(straight)), load_file(str(crashed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    def losses(out: Path) -> list[dict]:
+        log = json.loads((out.with_name(out.name + ".run") / "log.json").read_text())
+        return [{k: v for k, v in e.items() if k != "elapsed_s"} for e in log["entries"]]
+
+    assert losses(straight) == losses(crashed)
+    assert len(losses(straight)) == (3 if phase == "heads" else 6)
