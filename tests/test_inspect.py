@@ -457,7 +457,9 @@ def test_inspect_predicts_the_engines_allocation(tiny, which, active):
             # each active request keeps its staged sets pinned between its turns
             one = inspect_dir(path, memory_budget=budget, max_context=256).memory
             assert r.memory["staging_slots"] == active * one["staging_slots"]
-            assert r.memory["pool_slots"] >= r.memory["staging_slots"]
+            # the pool can hold every pin at once (at most every expert: pins share slots)
+            every = r.memory["pool_slots"] == engine.config.num_experts * len(engine.moe_layers)
+            assert every or r.memory["pool_slots"] >= r.memory["staging_slots"]
     finally:
         engine.close()
 

@@ -13,7 +13,7 @@ from edge0 import builtin, modeldir
 from edge0.engine import EngineOptions, load_engine
 from edge0.plan import make_plan
 from edge0.routing import sigmoid_group, softmax_topk
-from test_scheduling import sizes
+from test_scheduling import EXTENT, sizes
 
 
 def test_softmax_routing_among_allowed_experts():
@@ -56,6 +56,16 @@ def test_the_plan_stages_w_experts_per_layer():
     assert wide.staging_slots == 2 * k_plan.staging_slots
     with pytest.raises(ValueError, match="stage_width 1 must be between top_k 2"):
         make_plan(sizes(), EngineOptions(max_context=64, stage_width=1))
+
+
+def test_a_pool_of_every_expert_takes_any_number_of_staged_sets():
+    """3 requests staging 4 in 4 layers pin 48 sets' worth, but only 32 experts exist, and
+    pins of one expert share its slot: a pool of all 32 serves them; 31 slots do not."""
+    opts = dict(max_context=64, max_active=3, stage_width=4)
+    plan = make_plan(sizes(), EngineOptions(expert_cache=32 * EXTENT, **opts))
+    assert plan.staging_slots == 48 and plan.pool_slots == 32
+    with pytest.raises(ValueError, match="holds 31 of the 32 experts"):
+        make_plan(sizes(), EngineOptions(expert_cache=31 * EXTENT, **opts))
 
 
 @pytest.mark.parametrize("factor", [1.5, 2])

@@ -139,7 +139,9 @@ def make_plan(
         )
     layers = sizes.prediction_routed_layers + 1
     staging = active * layers * width if sizes.prediction_routed_layers else 0
-    need = max(k, staging)  # slots decode must be able to pin at once
+    # slots decode must be able to pin at once; pins of the same expert share its slot, so
+    # never more than every expert (3 requests staging 12 of 32 in 8 layers: 288 > 256)
+    need = min(max(k, staging), all_slots)
     notes = []
     if options.expert_cache is not None:
         slots, source = options.expert_cache // extent, "expert_cache"
