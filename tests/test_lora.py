@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from edge0 import lora, modeldir
 from edge0.convert import convert
 from edge0.engine import EngineOptions, load_engine
+from edge0.models.base import Forward
 from edge0.sampling import SamplingParams
 from edge0.train.student import load_student
 from helpers import make_hf_model
@@ -119,3 +120,39 @@ def test_adapter_for_another_base_is_refused_unless_asked(model_dir, tmp_path):
     )
     assert lora.adapters(e.model)
     e.close()
+
+
+def test_router_adapters_are_trained_and_served(model_dir, tmp_path):
+    """`lora_routers`: every MoE router gets an adapter beside the family's targets; it
+    changes which experts run, and the engine serves it as the student computes it."""
+    s = load_student(model_dir / "e0", heads=False, new_lora=(4, 8.0), seed=1, lora_routers=True)
+    gates = {f"{s.model.moe_block_path(i)}.gate" for i in s.model.moe_layers}
+    assert gates and gates <= set(lora.adapters(s.model))
+    assert set(lora.target_paths(s.model, lora.router_targets(s.model))) == gates
+    with torch.no_grad():
+        for name, m in lora.adapters(s.model).items():
+            if name in gates:
+                m.lora_B.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    ids = torch.arange(5, 25)[None]
+    picked: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    for on in (True, False):
+        lora.set_enabled(s.model, on)
+        fwd = Forward(observer=lambda layer, h, logits, idx, on=on: picked[on].append(idx))
+        with torch.no_grad():
+            s.model(ids, fwd)
+    assert any(not torch.equal(a, b) for a, b in zip(picked[True], picked[False], strict=True))
+
+    lora.set_enabled(s.model, True)
+    lora.save(s.model, tmp_path / "r.safetensors", {"model": "tiny", "base_hash": s.base_hash})
+    shutil.copytree(model_dir / "e0", tmp_path / "m")
+    shutil.copy(tmp_path / "r.safetensors", tmp_path / "m" / modeldir.LORA_FILE)
+    engine = load_engine(tmp_path / "m")
+    try:
+        assert gates <= set(lora.adapters(engine.model))
+        served = engine.prefill(engine.new_request(), ids[0].tolist())
+    finally:
+        engine.close()
+    with torch.no_grad():
+        want = s.forward(ids, ids.shape[1])[0, -1].float()
+    assert served.argmax() == want.argmax()
+    assert (served - want).abs().max() < 2e-2 * want.abs().max()

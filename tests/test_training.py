@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 
 from edge0 import cli, evaluate, lora
 from edge0.convert import convert
+from edge0.tokenizer import load_tokenizer
 from edge0.train import common
+from edge0.train.data import load_texts
 from edge0.train.heads import HeadsConfig, train_heads
 from edge0.train.opd import OPDConfig, reverse_kl_topk_tail, train_opd
 from edge0.train.sft import SFTConfig, forward_kl, train_sft
@@ -199,20 +201,51 @@ def test_forward_kl_is_zero_only_at_the_teacher():
     assert forward_kl(q, p).item() > 1e-3
 
 
-def test_phase2_with_the_teachers_distribution_learns(pipeline, tmp_path):
-    """`loss="kl"`: the teacher scores the sampled tokens and the LoRA learns its whole
-    distribution there; the loss falls over a short run."""
+@pytest.mark.parametrize("source", ["teacher", "corpus"])
+def test_phase2_with_the_teachers_distribution_learns(pipeline, tmp_path, source):
+    """`loss="kl"`: the teacher scores the sequences (its own samples, or corpus windows) and
+    the LoRA learns its whole distribution there; the loss falls over a short run."""
     tmp, data = pipeline["tmp"], pipeline["data"]
-    cfg = dataclasses.replace(pipeline["sft_cfg"], loss="kl", samples=128, steps=40)
+    cfg = dataclasses.replace(pipeline["sft_cfg"], loss="kl", samples=128, steps=40, source=source)
     out = tmp_path / "kl.safetensors"
     train_sft(tmp / "e0", tmp / "teacher", data, out, cfg, progress=False)
-    losses = [
-        e["loss"]
-        for e in json.loads((tmp_path / "kl.safetensors.run" / "log.json").read_text())["entries"]
-    ]
+    run = tmp_path / "kl.safetensors.run"
+    losses = [e["loss"] for e in json.loads((run / "log.json").read_text())["entries"]]
     assert len(losses) == 40
     assert sum(losses[-10:]) < 0.8 * sum(losses[:10])
-    assert lora.read(out).metadata["loss"] == "kl"
+    meta = lora.read(out).metadata
+    assert (meta["loss"], meta["source"]) == ("kl", source)
+    # corpus windows are drawn afresh each step: no teacher samples are drawn or cached
+    assert (run / "dataset.pt").exists() == (source == "teacher")
+
+
+def test_phase2_on_corpus_windows_trains_on_corpus_text(pipeline, tmp_path, monkeypatch):
+    """`source="corpus"`: each step's batch is prompt_len + gen_len consecutive tokens of the
+    training text, and the prompt positions are gate-routed as a served prompt is."""
+    from edge0.train import sft
+    from edge0.train.student import Student
+
+    tmp, data = pipeline["tmp"], pipeline["data"]
+    cfg = dataclasses.replace(pipeline["sft_cfg"], loss="kl", steps=3, source="corpus")
+    seen: list[tuple[torch.Tensor, int]] = []
+    real = Student.forward
+
+    def forward(self, tokens, first_predicted):
+        seen.append((tokens.clone(), first_predicted))
+        return real(self, tokens, first_predicted)
+
+    monkeypatch.setattr(Student, "forward", forward)
+    sft.train_sft(tmp / "e0", tmp / "teacher", data, tmp_path / "c.safetensors", cfg, False)
+    tok = load_tokenizer(tmp / "e0")
+    docs, _ = load_texts(data, "train")
+    stream = common.tokenize(docs, tok, tok.eos_token_id).tolist()
+    text = "," + ",".join(map(str, stream)) + ","
+    assert len(seen) == 3
+    for tokens, first in seen:
+        assert tokens.shape == (cfg.batch, cfg.prompt_len + cfg.gen_len)
+        assert first == cfg.prompt_len
+        for row in tokens.tolist():
+            assert "," + ",".join(map(str, row)) + "," in text
 
 
 def test_lora_retention_is_reported(pipeline):
@@ -291,10 +324,11 @@ def run_phase(phase: str, pipeline: dict, out: Path) -> None:
             top_k=2, width=32, train_tokens=2000, heldout_tokens=1000, seq_len=64, epochs=3
         )
         train_heads(tmp / "e0", data, out, cfg, progress=False)
-    elif phase == "sft":
+    elif phase.startswith("sft"):
         cfg = SFTConfig(
             top_k=2, rank=4, alpha=8, samples=16, prompt_len=16, gen_len=8, gen_batch=16,
             steps=6, batch=4, save_every=2, loss="kl",
+            source="corpus" if phase == "sft-corpus" else "teacher",
         )  # fmt: skip
         train_sft(tmp / "e0", tmp / "teacher", data, out, cfg, progress=False)
     else:
@@ -305,7 +339,7 @@ def run_phase(phase: str, pipeline: dict, out: Path) -> None:
         train_opd(tmp / "e0", tmp / "teacher", data, init, out, cfg, progress=False)
 
 
-@pytest.mark.parametrize("phase", ["heads", "sft", "opd"])
+@pytest.mark.parametrize("phase", ["heads", "sft", "sft-corpus", "opd"])
 def test_each_phase_resumes_bit_exactly_after_a_crash(pipeline, tmp_path, monkeypatch, phase):
     """A run that dies after an unsaved step and is started again ends with the same weights
     and the same logged losses as a run that never stopped."""

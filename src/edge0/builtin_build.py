@@ -3,7 +3,8 @@
   1. edge0 train teacher   a Qwen3-MoE pre-trained on the stdlib corpus (HF directory)
   2. edge0 convert         int4 experts -> an edge0 directory
   3. edge0 train heads     phase 1, on 1 M tokens, served K=6 (of the native 8)
-  4. edge0 train sft       phase 2, on teacher samples, on the served W=12 student path
+  4. edge0 train sft       phase 2, KL to the teacher on corpus windows, on the served W=12
+                           student path, adapting attention and the routers
   5. edge0 train opd       phase 3, on the student's own samples, at W=12
   6. edge0 eval            the quality table (docs/builtin-model.md)
 then copies the results into src/edge0/builtin/{model,teacher} and records each stage's wall
@@ -92,21 +93,24 @@ def stages(work: Path) -> list[tuple[str, Path, list[str]]]:
                 str(SERVED_K),
                 "--stage-width",
                 str(SERVED_STAGE_WIDTH),
-                "--samples",
-                "2048",
+                # the teacher's whole distribution (not its sampled token: with CE the LoRA
+                # made the served W=12 path worse) on fresh corpus windows of 256 tokens, the
+                # routers adapted too (docs/training.md compares the phase-2 recipes)
+                "--source",
+                "corpus",
+                "--prompt-len",
+                "32",
                 "--gen-len",
-                "96",
+                "224",
                 "--steps",
                 "400",
                 "--batch",
-                "16",
-                # the teacher's whole distribution, not its sampled token: with CE the LoRA
-                # made the served W=12 path worse (+3.9% vs +3.2% without it), with KL better,
-                # and more so at 3e-3 than at the default 1e-3 (docs/builtin-model.md)
+                "8",
                 "--loss",
                 "kl",
                 "--lr",
                 "3e-3",
+                "--lora-routers",
             ],
         ),
         (

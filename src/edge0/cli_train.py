@@ -77,8 +77,9 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
         heads=args.prerouter,
         progress=not args.quiet,
     )
+    seen = "fresh corpus windows" if r["samples"] is None else f"{r['samples']} teacher samples"
     print(
-        f"wrote {out}: {r['steps']} steps on {r['samples']} teacher samples, "
+        f"wrote {out}: {r['steps']} steps on {seen}, "
         f"final loss {r['final_loss']:.4f}; log in {out}.run/log.json"
     )
     return 0
@@ -242,6 +243,12 @@ def add_train_parsers(sub) -> None:
         if name == "sft":
             p.add_argument("--rank", type=int, default=16)
             p.add_argument("--alpha", type=float, default=32.0)
+            p.add_argument(
+                "--lora-routers",
+                action="store_true",
+                help="put the adapter on each MoE router too (softmax-top-k families), not "
+                "only on the family's attention and shared-expert projections",
+            )
             p.add_argument("--samples", type=int, default=512, help="teacher continuations")
             p.add_argument("--gen-len", type=int, default=96)
             p.add_argument("--steps", type=int, default=300)
@@ -252,6 +259,14 @@ def add_train_parsers(sub) -> None:
                 default="ce",
                 help="ce: cross-entropy of the teacher's sampled tokens; kl: KL to the "
                 "teacher's whole distribution at each of those positions",
+            )
+            p.add_argument(
+                "--source",
+                choices=("teacher", "corpus"),
+                default="teacher",
+                help="teacher: train on --samples teacher continuations of corpus prompts; "
+                "corpus: on fresh corpus windows of --prompt-len + --gen-len tokens each step "
+                "(use with --loss kl to learn the teacher's distribution on real text)",
             )
         else:
             p.add_argument(

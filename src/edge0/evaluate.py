@@ -211,8 +211,9 @@ def lora_retention(
 
     For each target W: delta = (alpha/r) B A. Merging into bf16 (edge0's resident format)
     rounds W + delta to bf16; merging as the reference did re-quantizes W + delta to int4
-    (group 64). Weight-level retention per target: sum(actual * delta) / sum(delta^2), with
-    actual = merged - base (both dequantized). Logits-level: 1 - |U - M| / |U - B| on the
+    (group 64), except for a router, which stays float in every format. Weight-level
+    retention per target: sum(actual * delta) / sum(delta^2), with actual = merged - base
+    (both dequantized). Logits-level: 1 - |U - M| / |U - B| on the
     first-token logits of `prompt_ids` (U unmerged, M merged, B no adapter).
     """
     from edge0 import quant
@@ -226,13 +227,16 @@ def lora_retention(
         return student.forward(x, first)[0, -1].float()
 
     loras = lora.adapters(model)
+    # a router is float in every format: merged as into bf16
+    router_targets = lora.router_targets(model)
+    routers = set(lora.target_paths(model, router_targets)) if router_targets else set()
     saved = {name: m.base.weight.data.clone() for name, m in loras.items()}
     results = {}
     for scheme in ("bf16", "int4"):
         per_target, merged = {}, {}
         for name, m in loras.items():
             w, delta = saved[name].float(), m.delta_weight().float()
-            if scheme == "bf16":
+            if scheme == "bf16" or name in routers:
                 base = w.bfloat16().float()
                 merged[name] = (base + delta).bfloat16().float()
             else:  # as if the projection itself were served in int4, as in the reference

@@ -82,6 +82,20 @@ def target_paths(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
     return paths
 
 
+def router_targets(model: nn.Module) -> tuple[str, ...]:
+    """The MoE routers as LoRA targets (names within a decoder layer, like LORA_TARGETS),
+    where a router is a plain Linear (the softmax-top-k families). A router with a selection
+    bias of its own (sigmoid-group) is left out: the selection reads that bias from the
+    router module, which a LoRA would wrap."""
+    prefix = next(n for n, m in model.named_modules() if m is model.backbone.layers)
+    names = []
+    for i in model.moe_layers:
+        if isinstance(model.moe_block(i).gate, (nn.Linear, LoraLinear)):
+            name = f"{model.moe_block_path(i)}.gate".removeprefix(f"{prefix}.{i}.")
+            names += [name] if name not in names else []
+    return tuple(names)
+
+
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent), name, module)

@@ -1,10 +1,13 @@
 """Phase 2, `edge0 train sft MODEL_DIR --teacher DIR --data ...`: the LoRA on the student path.
 
 1. Prompts are random windows of the training text; the full-precision teacher samples a
-   continuation for each (cached in the run directory, with the data hash).
+   continuation for each (cached in the run directory, with the data hash). With
+   `source="corpus"` the sequences are instead random windows of the training text itself,
+   `prompt_len + gen_len` tokens long, drawn afresh every step.
 2. The student (dequantized int4 base, prerouter routing at the served K, LoRA) is trained
-   with cross-entropy on the continuation tokens. The prompt is gate-routed and every
-   continuation position is prediction-routed, exactly as the engine serves a request.
+   with cross-entropy on the continuation tokens, or (`loss="kl"`) with KL to the teacher's
+   whole distribution at each of them. The prompt is gate-routed and every continuation
+   position is prediction-routed, exactly as the engine serves a request.
 Heads come first (phase 1): the SFT signal would otherwise drown the heads' small gradients.
 """
 
@@ -35,6 +38,10 @@ class SFTConfig:
     stage_width: int | None = None  # W > K: train on the path `--stage-width W` serves
     rank: int = 16
     alpha: float = 32.0
+    # an adapter on each MoE router too (softmax-top-k families): it can re-weigh the experts
+    # a layer runs and, at W > K, re-pick its K among the staged ones; the prerouter cannot
+    # change them
+    lora_routers: bool = False
     samples: int = 512
     prompt_len: int = 32
     gen_len: int = 96
@@ -43,6 +50,10 @@ class SFTConfig:
     # vocabulary at each continuation position, the teacher scoring the same tokens (the
     # quantity CE estimates from one sample, without its variance)
     loss: str = "ce"
+    # "teacher": the teacher's continuations of corpus prompts (a fixed set of `samples`);
+    # "corpus": fresh windows of the corpus every step, so no sequence is seen twice and the
+    # positions trained reach prompt_len + gen_len, as far as the text served does
+    source: str = "teacher"
     gen_batch: int = 32
     steps: int = 300
     batch: int = 8
@@ -110,19 +121,27 @@ def train_sft(
 ) -> dict:
     if cfg.loss not in ("ce", "kl"):
         raise ValueError(f"loss must be 'ce' or 'kl', got {cfg.loss!r}")
+    if cfg.source not in ("teacher", "corpus"):
+        raise ValueError(f"source must be 'teacher' or 'corpus', got {cfg.source!r}")
     model_dir, out = Path(model_dir), Path(out)
     run = out.with_name(out.name + ".run")
     run.mkdir(parents=True, exist_ok=True)
     device = common.device_for()
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
-    cache = run / "dataset.pt"
-    if cache.exists():
-        dataset = torch.load(cache)
+    if cfg.source == "corpus":
+        docs, data_hash = load_texts(data, "train")
+        eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+        stream = common.tokenize(docs, tok, eos)
+        dataset = {"tokens": None, "data_hash": data_hash}
     else:
-        tokens, digest = teacher_dataset(teacher_dir, data, tok, cfg, gen, device, progress)
-        dataset = {"tokens": tokens, "data_hash": digest}
-        torch.save(dataset, cache)
+        cache = run / "dataset.pt"
+        if cache.exists():
+            dataset = torch.load(cache)
+        else:
+            tokens, digest = teacher_dataset(teacher_dir, data, tok, cfg, gen, device, progress)
+            dataset = {"tokens": tokens, "data_hash": digest}
+            torch.save(dataset, cache)
     tokens = dataset["tokens"]
     student = load_student(
         model_dir,
@@ -132,14 +151,18 @@ def train_sft(
         seed=cfg.seed,
         device=device,
         stage_width=cfg.stage_width,
+        lora_routers=cfg.lora_routers,
     )
     student.model.train()
     teacher = load_teacher(teacher_dir, device) if cfg.loss == "kl" else None
     p = cfg.prompt_len
 
     def loss_fn(step: int) -> torch.Tensor:
-        idx = torch.randint(0, tokens.shape[0], (cfg.batch,), generator=gen)
-        batch = tokens[idx].to(device)
+        if tokens is None:  # [B, P + C] fresh corpus windows
+            batch = common.random_windows(stream, cfg.batch, p + cfg.gen_len - 1, gen)
+        else:
+            batch = tokens[torch.randint(0, tokens.shape[0], (cfg.batch,), generator=gen)]
+        batch = batch.to(device)
         logits = student.forward(batch, p)
         if teacher is None:
             return continuation_loss(logits, batch, p)
@@ -169,10 +192,11 @@ def train_sft(
         "W": str(student.stage_width or student.top_k),
         "seed": str(cfg.seed),
         "loss": cfg.loss,
+        "source": cfg.source,
     }
     lora.save(student.model, out, meta)
     return {
         "steps": cfg.steps,
         "final_loss": runlog.entries[-1]["loss"],
-        "samples": tokens.shape[0],
+        "samples": None if tokens is None else tokens.shape[0],
     }

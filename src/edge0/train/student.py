@@ -71,11 +71,13 @@ def load_student(
     seed: int = 0,
     device: torch.device | None = None,
     stage_width: int | None = None,
+    lora_routers: bool = False,
 ) -> Student:
     """The served model for training/eval. heads: a file, None (MODEL_DIR/prerouter.safetensors
     if present) or False (gate routing). lora_file loads an adapter; new_lora=(r, alpha)
-    attaches a fresh one to every family LORA_TARGET. stage_width W > K: each consumer's
-    router picks its K among the W experts the prediction stages (`--stage-width`)."""
+    attaches a fresh one to every family LORA_TARGET, and with lora_routers to every MoE
+    router that is a plain Linear as well. stage_width W > K: each consumer's router picks
+    its K among the W experts the prediction stages (`--stage-width`)."""
     model_dir = Path(model_dir)
     manifest, model = loader.load_edge0_model(model_dir, experts="dequantized")
     model.requires_grad_(False)
@@ -96,9 +98,10 @@ def load_student(
         lora.load(model, lora_file, base_hash=base)
     elif new_lora is not None:
         r, alpha = new_lora
+        targets = fam.LORA_TARGETS + (lora.router_targets(model) if lora_routers else ())
         lora.attach(
             model,
-            lora.target_paths(model, fam.LORA_TARGETS),
+            lora.target_paths(model, targets),
             r,
             alpha,
             torch.Generator().manual_seed(seed),
