@@ -34,6 +34,6 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # Rebuild the built-in model from scratch (teacher pre-training, convert, three training
-# phases, eval) and copy it into src/edge0/builtin. About two hours on 2 CPU cores.
+# phases, eval) and copy it into src/edge0/builtin. About 3.3 hours on 2 CPU cores.
 builtin-model: $(STAMP)
 	$(PY) -m edge0.builtin_build --work build/builtin

@@ -36,6 +36,8 @@ def test_shipped_files_match_their_recorded_hashes():
     assert set(record["stages_s"]) == {"teacher", "convert", "heads", "sft", "opd", "eval"}
     assert all(t > 0 for t in record["stages_s"].values())
     assert record["machine"]["cpu"] and record["machine"]["torch_cpu_capability"]
+    assert set(record["stages_machine"]) == set(record["stages_s"])
+    assert all(m["cpu"] and m["torch_cpu_capability"] for m in record["stages_machine"].values())
 
 
 def test_the_served_lora_was_trained_on_the_served_path():

@@ -103,7 +103,7 @@ def stages(work: Path) -> list[tuple[str, Path, list[str]]]:
                 "--gen-len",
                 "224",
                 "--steps",
-                "400",
+                "800",
                 "--batch",
                 "8",
                 "--loss",
@@ -153,7 +153,7 @@ def stages(work: Path) -> list[tuple[str, Path, list[str]]]:
     ]
 
 
-def ship(work: Path, timings: dict) -> None:
+def ship(work: Path, timings: dict, machines: dict) -> None:
     """Copy model and teacher (no run directories) into the package and record the build."""
     dst_model, dst_teacher = builtin.ROOT / "model", builtin.ROOT / "teacher"
     for src, dst in ((work / "model", dst_model), (work / "teacher", dst_teacher)):
@@ -171,8 +171,9 @@ def ship(work: Path, timings: dict) -> None:
     manifest.save(dst_model)
     sizes = {d.name: sum(p.stat().st_size for p in d.iterdir()) for d in (dst_model, dst_teacher)}
     record = {
-        "machine": machine.describe(),  # where the stages below took their wall time
+        "machine": machine.describe(),  # where it was shipped (and the eval run)
         "stages_s": timings,
+        "stages_machine": machines,  # where each stage took its wall time
         "bytes": sizes,
         "total_bytes": sum(sizes.values()),
         "teacher_files": {p.name: sha256_file(p) for p in sorted(dst_teacher.iterdir())},
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     timings_path = args.work / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    machines_path = args.work / "machines.json"  # stage -> machine.describe() where it ran
+    machines = json.loads(machines_path.read_text()) if machines_path.exists() else {}
     for name, output, command in stages(args.work):
         if output.exists():
             print(f"== {name}: done ({output})", flush=True)
@@ -200,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             return code
         timings[name] = round(time.perf_counter() - t0 + timings.get(name, 0.0), 1)
         timings_path.write_text(json.dumps(timings, indent=2) + "\n")
+        machines[name] = machine.describe()
+        machines_path.write_text(json.dumps(machines, indent=2) + "\n")
     if not args.no_ship:
-        ship(args.work, timings)
+        ship(args.work, timings, machines)
         print(f"shipped into {builtin.ROOT}")
     return 0
 
