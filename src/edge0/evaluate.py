@@ -39,7 +39,6 @@ from edge0.convert import convert
 from edge0.plan import resolve_top_k
 from edge0.tokenizer import load_tokenizer
 from edge0.train import common
-from edge0.train.data import load_texts
 from edge0.train.student import load_student, load_teacher
 
 
@@ -134,9 +133,8 @@ def evaluate(model_dir: Path, cfg: EvalConfig, progress: bool = True) -> dict:
     model_dir = Path(model_dir)
     cfg = default_paths(model_dir, cfg)
     tok = load_tokenizer(model_dir)
-    docs, data_hash = load_texts(list(cfg.data), "heldout")
-    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-    windows = common.fixed_windows(common.tokenize(docs, tok, eos), cfg.windows, cfg.seq_len)
+    stream, data_hash = common.token_stream(list(cfg.data), "heldout", tok)
+    windows = common.fixed_windows(stream, cfg.windows, cfg.seq_len)
     models = arms(model_dir, cfg)
     sums = {label: {"nll": 0.0, "agree": 0, "kl": 0.0} for label, _ in models}
     n = 0

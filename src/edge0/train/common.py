@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from edge0.models.layers import RMSNorm
+from edge0.train.data import load_texts
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -57,6 +58,13 @@ def tokenize(docs: Iterable[str], tokenizer, eos_id: int) -> torch.Tensor:
         ids.extend(tokenizer.encode(text))
         ids.append(eos_id)
     return torch.tensor(ids, dtype=torch.int32)
+
+
+def token_stream(data: list[str], split: str, tokenizer) -> tuple[torch.Tensor, str]:
+    """The `split` ("train" or "heldout") of --data as one stream (`tokenize`), and its hash."""
+    docs, data_hash = load_texts(data, split)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return tokenize(docs, tokenizer, eos), data_hash
 
 
 def random_windows(

@@ -35,7 +35,6 @@ from edge0.prerouter.head import DEFAULT_WIDTH, Prerouter, Wiring, features
 from edge0.routing import topk_onehot
 from edge0.tokenizer import load_tokenizer
 from edge0.train import common
-from edge0.train.data import load_texts
 
 log = logging.getLogger(__name__)
 
@@ -228,12 +227,9 @@ def _collected(
         done.unlink()
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(engine.path)
-    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-    train_docs, train_hash = load_texts(data, "train")
-    stream = common.tokenize(train_docs, tok, eos)
+    stream, train_hash = common.token_stream(data, "train", tok)
     try:
-        held_docs, held_hash = load_texts(data, "heldout")
-        held = common.tokenize(held_docs, tok, eos)
+        held, held_hash = common.token_stream(data, "heldout", tok)
     except ValueError:  # too few files for a held-out share: hold out the stream's tail
         cut = int(stream.numel() * 0.9)
         stream, held, held_hash = stream[:cut], stream[cut:], train_hash + ":tail"

@@ -25,7 +25,6 @@ from edge0 import lora
 from edge0.sampling import SamplingParams
 from edge0.tokenizer import load_tokenizer
 from edge0.train import common
-from edge0.train.data import load_texts
 from edge0.train.student import load_student, load_teacher, sample, train_lora
 
 log = logging.getLogger(__name__)
@@ -78,9 +77,7 @@ def train_opd(
     device = common.device_for()
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
-    docs, data_hash = load_texts(data, "train")
-    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-    stream = common.tokenize(docs, tok, eos)
+    stream, data_hash = common.token_stream(data, "train", tok)
     teacher = load_teacher(teacher_dir, device)
     student = load_student(
         model_dir,

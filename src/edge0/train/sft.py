@@ -26,7 +26,6 @@ from edge0 import lora
 from edge0.sampling import SamplingParams
 from edge0.tokenizer import load_tokenizer
 from edge0.train import common
-from edge0.train.data import load_texts
 from edge0.train.student import load_student, load_teacher, sample, train_lora
 
 log = logging.getLogger(__name__)
@@ -72,9 +71,7 @@ def teacher_dataset(
     progress: bool,
 ) -> tuple[torch.Tensor, str]:
     """[samples, prompt_len + gen_len] tokens: corpus prompts and teacher continuations."""
-    docs, data_hash = load_texts(data, "train")
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    stream = common.tokenize(docs, tokenizer, eos)
+    stream, data_hash = common.token_stream(data, "train", tokenizer)
     prompts = common.random_windows(stream, cfg.samples, cfg.prompt_len - 1, gen)
     teacher = load_teacher(teacher_dir, device)
     params = SamplingParams(temperature=cfg.temperature)
@@ -130,9 +127,7 @@ def train_sft(
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
     if cfg.source == "corpus":
-        docs, data_hash = load_texts(data, "train")
-        eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-        stream = common.tokenize(docs, tok, eos)
+        stream, data_hash = common.token_stream(data, "train", tok)
         dataset = {"tokens": None, "data_hash": data_hash}
     else:
         cache = run / "dataset.pt"
