@@ -208,7 +208,7 @@ def add_train_parsers(sub) -> None:
     he.set_defaults(func=cmd_train_heads)
 
     for name, fn, help_ in (
-        ("sft", cmd_train_sft, "phase 2: LoRA SFT on teacher samples"),
+        ("sft", cmd_train_sft, "phase 2: LoRA SFT on teacher samples or corpus windows"),
         ("opd", cmd_train_opd, "phase 3: on-policy reverse-KL distillation"),
     ):
         p = tsub.add_parser(name, help=help_)
