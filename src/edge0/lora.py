@@ -88,12 +88,12 @@ def router_targets(model: nn.Module) -> tuple[str, ...]:
     bias of its own (sigmoid-group) is left out: the selection reads that bias from the
     router module, which a LoRA would wrap."""
     prefix = next(n for n, m in model.named_modules() if m is model.backbone.layers)
-    names = []
-    for i in model.moe_layers:
-        if isinstance(model.moe_block(i).gate, (nn.Linear, LoraLinear)):
-            name = f"{model.moe_block_path(i)}.gate".removeprefix(f"{prefix}.{i}.")
-            names += [name] if name not in names else []
-    return tuple(names)
+    names = (
+        f"{model.moe_block_path(i)}.gate".removeprefix(f"{prefix}.{i}.")
+        for i in model.moe_layers
+        if isinstance(model.moe_block(i).gate, (nn.Linear, LoraLinear))
+    )
+    return tuple(dict.fromkeys(names))  # one name per layer kind, in layer order
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -38,8 +38,8 @@ class SFTConfig:
     rank: int = 16
     alpha: float = 32.0
     # an adapter on each MoE router too (softmax-top-k families): it can re-weigh the experts
-    # a layer runs and, at W > K, re-pick its K among the staged ones; the prerouter cannot
-    # change them
+    # a layer runs and, at W > K, re-pick its K among the staged ones, which an attention
+    # adapter cannot
     lora_routers: bool = False
     samples: int = 512
     prompt_len: int = 32
@@ -126,9 +126,9 @@ def train_sft(
     device = common.device_for()
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
+    stream = tokens = None  # corpus windows are cut from `stream`; teacher samples are `tokens`
     if cfg.source == "corpus":
         stream, data_hash = common.token_stream(data, "train", tok)
-        dataset = {"tokens": None, "data_hash": data_hash}
     else:
         cache = run / "dataset.pt"
         if cache.exists():
@@ -137,7 +137,7 @@ def train_sft(
             tokens, digest = teacher_dataset(teacher_dir, data, tok, cfg, gen, device, progress)
             dataset = {"tokens": tokens, "data_hash": digest}
             torch.save(dataset, cache)
-    tokens = dataset["tokens"]
+        tokens, data_hash = dataset["tokens"], dataset["data_hash"]
     student = load_student(
         model_dir,
         top_k=cfg.top_k,
@@ -182,7 +182,7 @@ def train_sft(
         "model": model_dir.name,
         "base_hash": student.base_hash,
         "phase": "2",
-        "data_hash": dataset["data_hash"],
+        "data_hash": data_hash,
         "K": str(student.top_k),
         "W": str(student.stage_width or student.top_k),
         "seed": str(cfg.seed),
