@@ -19,11 +19,13 @@ import torch
 from edge0 import builtin
 from edge0.bench.serving import stream_chat
 from edge0.cli_args import with_flags
+from edge0.convert import convert
 from edge0.engine import REUSE_TOKENS, EngineOptions, load_engine
 from edge0.plan import ModelSizes, make_plan
 from edge0.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.worker import Done, Job, Token, Worker
+from test_families import make_checkpoint
 from test_server import live_server, make_chat_model
 
 # -- the plan -----------------------------------------------------------------------------------
@@ -208,6 +210,107 @@ def test_reuse_or_batch_follows_the_measured_costs(whole_prompts):
     assert not engine.reuse_beats_batch(16, 200) and engine.reuse_beats_batch(17, 200)
 
 
+# -- decode steps of several requests in one forward --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def row_engines(tmp_path_factory):
+    """The built-in model with and without its prerouter, a hybrid with recurrent layers (and
+    partial rotary, an output gate) and an MLA model, each with room for 3 active requests."""
+    tmp = tmp_path_factory.mktemp("rows")
+    dirs = {"builtin": builtin.model_dir(), "builtin, no prerouter": builtin.model_dir()}
+    for name, family in (("hybrid", "qwen3_5_moe"), ("mla", "deepseek_v3")):
+        make_checkpoint(tmp / name, family)
+        convert(tmp / name, tmp / f"{name}-e0", progress=False, resident="bf16")
+        dirs[name] = tmp / f"{name}-e0"
+    engines = {
+        name: load_engine(
+            path,
+            EngineOptions(
+                io_mode="buffered", max_active=3, max_context=256, no_prerouter="no" in name
+            ),
+        )
+        for name, path in dirs.items()
+    }
+    yield engines
+    for e in engines.values():
+        e.close()
+
+
+def staged_keys(req) -> dict | None:
+    return (
+        None
+        if req.pre is None
+        else {c: sorted(e.key for e in v) for c, v in req.pre.staged.items()}
+    )
+
+
+@pytest.mark.parametrize("name", ["builtin", "builtin, no prerouter", "hybrid", "mla"])
+def test_decode_steps_in_one_forward_match_each_alone(row_engines, name):
+    """Requests at different positions step in one forward (Engine.step_rows). One row is
+    bit-identical to its own step: each row keeps its cache, positions, recurrent state,
+    predictions and executors. With three rows a matmul over 3 rows rounds differently
+    (~5e-7 relative in fp32): on the built-in model every logit stays within one bf16 step
+    of the largest (the int4 kernel rounds activations to bf16) and each request stages the
+    experts it stages alone; on random models, where a router's top-k can be a near tie that
+    such a difference flips, the median row agrees to fp32 rounding. Every pin is released."""
+    engine = row_engines[name]
+    tok = engine.tokenizer
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os\nimport sys", "class A")]
+    assert len({len(p) for p in prompts}) == 3
+    for rows in (1, 3):
+        batched = [engine.new_request() for _ in prompts[:rows]]
+        alone = [engine.new_request() for _ in prompts[:rows]]
+        for a, b, ids in zip(batched, alone, prompts, strict=False):
+            engine.prefill(a, ids)
+            engine.prefill(b, ids)
+        tokens, errors = [5, 6, 7][:rows], []
+        before = engine.stats()
+        for _ in range(6):
+            together = engine.step_rows(batched, tokens)
+            solo = [engine.step(req, t) for req, t in zip(alone, tokens, strict=True)]
+            for a, b, got, want in zip(batched, alone, together, solo, strict=True):
+                if rows == 1:
+                    assert torch.equal(got, want)
+                errors.append(float((got - want).abs().max() / want.abs().max()))
+                if name.startswith("builtin"):
+                    assert errors[-1] <= 2**-8
+                    assert staged_keys(a) == staged_keys(b)
+            tokens = [int(w.argmax()) for w in solo]
+        assert sorted(errors)[len(errors) // 2] < 1e-5, errors
+        assert [r.tokens for r in batched] == [r.tokens for r in alone]
+        assert [r.position for r in batched] == [len(p) + 6 for p in prompts[:rows]]
+        d = engine.stats().minus(before).decode
+        assert (d.forwards, d.rows) == (6 + 6 * rows, 12 * rows)
+        for req in batched + alone:
+            req.release()
+        assert engine.pool.available() == engine.pool.num_slots
+    with pytest.raises(ValueError, match="once"):
+        engine.step_rows([batched[0], batched[0]], [1, 2])
+
+
+def test_generations_stepped_together_sample_their_solo_tokens(row_engines):
+    """Generations whose decode steps run together (Engine.step_together, as the generation
+    thread runs them) sample the tokens they sample alone, greedy and seeded, on the
+    built-in model with its prerouter (where no logit difference of the batch moves a token)."""
+    engine = row_engines["builtin"]
+    tok = engine.tokenizer
+    prompts = [tok.encode(t) for t in ("def fib(n):", "import os\n", "class Stack:\n    def")]
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 2
+    solo = [engine.generate(p, 16, kinds[i]).drain().tokens for i, p in enumerate(prompts)]
+    gens = [engine.generate(p, 16, kinds[i]) for i, p in enumerate(prompts)]
+    batched = 0
+    while not all(g.done for g in gens):
+        batched += engine.step_together(gens)
+        for g in gens:
+            if not g.done:
+                g.advance()
+    assert [g.tokens for g in gens] == solo
+    assert batched >= 3 * 14  # every step but the first, while all three decode
+    assert all(g.stats.decode_tok_s > 0 for g in gens)
+    assert engine.pool.available() == engine.pool.num_slots
+
+
 # -- the generation thread ----------------------------------------------------------------------
 
 
@@ -247,6 +350,36 @@ def test_the_generation_thread_takes_turns_and_chunks_long_prompts(engine):
     short_done = next(i for i, (n, e) in enumerate(events) if n == "short" and isinstance(e, Done))
     long_first = next(i for i, (n, e) in enumerate(events) if n == "long" and isinstance(e, Token))
     assert short_done < long_first, events  # all of the short one ran during the long prompt
+
+
+@pytest.mark.parametrize("batch_decode", [True, False])
+def test_the_generation_thread_steps_active_requests_together(engine, batch_decode):
+    """With batch_decode (the default) the thread runs the active requests' decode steps in
+    one forward; each request still gets the tokens it gets alone (greedy and seeded, on the
+    built-in model). Without it, each decode forward is one request's."""
+    prompts = [engine.tokenizer.encode(t) for t in ("def fib(n):", "import os\n", "class Stack:")]
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 2
+    solo = [engine.generate(p, 10, kinds[i]).drain().tokens for i, p in enumerate(prompts)]
+    events: list[tuple[int, object]] = []
+    lock = threading.Lock()
+
+    def sink(i):
+        def put(event):
+            with lock:
+                events.append((i, event))
+
+        return put
+
+    jobs = [Job(p, 10, kinds[i], sink(i)) for i, p in enumerate(prompts)]
+    worker = Worker(engine)
+    worker.batch_decode = batch_decode
+    before = engine.stats()
+    run_jobs(worker, jobs, events)
+    got = [[e.token for n, e in events if n == i and isinstance(e, Token)] for i in range(3)]
+    assert got == solo
+    d = engine.stats().minus(before).decode
+    assert d.rows == 3 * 9
+    assert d.forwards < d.rows if batch_decode else d.forwards == d.rows
 
 
 # -- 8 concurrent chat requests over HTTP -------------------------------------------------------

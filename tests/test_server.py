@@ -167,6 +167,8 @@ class ScriptedGeneration:
             self.finish_reason = "length"
         self.done = True
 
+    pending_step = None  # no forward to run, so never part of a batched decode step
+
     @property
     def started(self) -> bool:
         return True  # nothing to prefill, so never part of a batched start
@@ -417,6 +419,8 @@ def test_metrics(client, base):
     assert values["edge0_peak_anon_bytes"] > 0 and values["edge0_peak_file_bytes"] > 0
     assert values['edge0_requests_total{endpoint="chat",outcome="length"}'] >= 1
     assert values["edge0_time_to_first_token_seconds_count"] >= 1
+    # one request at a time here: each decode forward ran one request's step
+    assert values["edge0_decode_rows_total"] == values["edge0_decode_forwards_total"] >= 3
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -121,8 +121,14 @@ def add_engine_args(
             "--max-active",
             type=int,
             default=max_active,
-            help="requests decoding at once, taking turns one forward each; each holds its own "
-            f"KV cache for --max-context and its staged experts (default {max_active})",
+            help="requests decoding at once, their decode steps in one forward; each holds "
+            f"its own KV cache for --max-context and its staged experts (default {max_active})",
+        )
+        g.add_argument(
+            "--no-batch-decode",
+            action="store_true",
+            help="run the active requests' decode steps one forward each, in turn (each "
+            "request's logits bit-for-bit those it gets alone), not in one forward",
         )
     if prefix_cache:
         g.add_argument(
@@ -204,6 +210,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         io_threads=args.io_threads,
         max_context=args.max_context,
         max_active=getattr(args, "max_active", EngineOptions.max_active),
+        batch_decode=not getattr(args, "no_batch_decode", False),
         prefix_cache=getattr(args, "prefix_cache", EngineOptions.prefix_cache),
         prefill_chunk=args.prefill_chunk,
         stage_width=args.stage_width,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from edge0.models.base import Forward
+from edge0.models.base import Forward, RowsForward
 from edge0.models.experts import Executor
 from edge0.models.layers import KVCache
 from edge0.prerouter.runtime import PrerouterState
@@ -42,12 +42,38 @@ def step(
     executors: dict[int, Executor] | None = None,
 ) -> torch.Tensor:
     """tokens [B, 1] -> logits [B, V]; consumers route by the current predictions."""
-    if pre is None:
-        return model(tokens, Forward(cache, executors=executors), last_only=True)[:, -1]
-    if pre.rt.wide:  # each consumer's router picks its K among the W staged for it
-        fwd = Forward(cache, None, pre.observe, executors=executors, allowed=dict(pre.allowed))
-    else:  # the prediction is the routing
-        fwd = Forward(cache, dict(pre.predicted), pre.observe, executors=executors)
-    logits = model(tokens, fwd, last_only=True)[:, -1]
-    pre.flush()
+    logits = model(tokens, step_forward(cache, pre, executors), last_only=True)[:, -1]
+    if pre is not None:
+        pre.flush()
     return logits
+
+
+def step_rows(
+    model: torch.nn.Module,
+    caches: list[KVCache],
+    tokens: torch.Tensor,
+    pres: list[PrerouterState | None],
+    executors: list[dict[int, Executor]],
+) -> torch.Tensor:
+    """One decode step of B requests in one forward, a token [B, 1] each, with their own
+    caches, prediction states and executors -> logits [B, V]: each row's as step() gives it
+    alone, up to the rounding of matmuls over B rows instead of one (see RowsForward)."""
+    rows = [step_forward(*a) for a in zip(caches, pres, executors, strict=True)]
+    logits = model(tokens, RowsForward(rows), last_only=True)[:, -1]
+    for pre in pres:
+        if pre is not None:
+            pre.flush()
+    return logits
+
+
+def step_forward(
+    cache: KVCache, pre: PrerouterState | None, executors: dict[int, Executor] | None
+) -> Forward:
+    """A decode step's Forward: without a prerouter every layer routes by its own router;
+    with one, each consumer routes by the predictions for it (W = K) or picks its K among the
+    W staged for it (W > K)."""
+    if pre is None:
+        return Forward(cache, executors=executors)
+    if pre.rt.wide:
+        return Forward(cache, None, pre.observe, executors=executors, allowed=dict(pre.allowed))
+    return Forward(cache, dict(pre.predicted), pre.observe, executors=executors)

@@ -6,6 +6,8 @@
                                          features, the pins of the experts staged for it
   Engine.prefill(req, ids), step(req, t) one forward each; the executors travel in the call's
                                          Forward, nothing is installed into the model
+  Engine.step_rows(reqs, tokens)         several requests' decode steps in one forward, each
+                                         row with its own state
   Engine.finish(req)                     offer its state to the prefix cache, unpin its experts
   Engine.generate(prompt, ...)           a Generation: iterate it for (token, logprobs), or
                                          advance() it one forward at a time (a scheduler)
@@ -55,18 +57,32 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class DecodeStats:
+    forwards: int = 0  # decode forwards run
+    rows: int = 0  # request steps they ran: rows / forwards is the mean batch
+
+    def snapshot(self) -> DecodeStats:
+        return DecodeStats(self.forwards, self.rows)
+
+    def minus(self, other: DecodeStats) -> DecodeStats:
+        return DecodeStats(self.forwards - other.forwards, self.rows - other.rows)
+
+
+@dataclass
 class EngineStats:
     """Counters since the engine started (subtract two snapshots for an interval)."""
 
     pool: PoolStats
     prerouter: PrerouterStats
     prefix: PrefixStats
+    decode: DecodeStats
 
     def minus(self, other: EngineStats) -> EngineStats:
         return EngineStats(
             self.pool.minus(other.pool),
             self.prerouter.minus(other.prerouter),
             self.prefix.minus(other.prefix),
+            self.decode.minus(other.decode),
         )
 
 
@@ -228,6 +244,7 @@ class Engine:
         # and the batch: a decode step's seconds, and a prompt token's in a batched prefill
         self.step_s = MovingAverage()
         self.prompt_token_s = MovingAverage()
+        self.decode_stats = DecodeStats()
 
     @property
     def max_context(self) -> int:
@@ -237,7 +254,7 @@ class Engine:
         """A snapshot of the counters (pool reads and hits, prerouter staging and drops)."""
         pre = self.prerouter.stats.snapshot() if self.prerouter else PrerouterStats()
         prefix = self.prefix_cache.stats.snapshot() if self.prefix_cache else PrefixStats()
-        return EngineStats(self.pool.stats.snapshot(), pre, prefix)
+        return EngineStats(self.pool.stats.snapshot(), pre, prefix, self.decode_stats.snapshot())
 
     def preload_experts(self) -> None:
         """Read every expert into the pool now (the pool must hold them all): a bench's
@@ -374,10 +391,46 @@ class Engine:
         t0 = time.perf_counter()
         logits = decode.step(self.model, req.cache, x, req.pre, req.decode)[0].float()
         self.step_s.add(time.perf_counter() - t0)
+        self._stepped(req, token, exact)
+        self.decode_stats.forwards += 1
+        self.decode_stats.rows += 1
+        return logits
+
+    @torch.inference_mode()
+    def step_rows(self, reqs: list[Request], tokens: list[int]) -> list[torch.Tensor]:
+        """One decode step of several requests in one forward, each with its own token,
+        state, predictions and staged experts; returns each one's next logits [V]. Dense
+        layers, norms, routers and the LM head run once over all rows; attention and each
+        row's experts run per row (decode.step_rows). A row's logits are its step()'s up to
+        the rounding of a matmul over several rows: the int4 kernel rounds activations to
+        bf16, so they agree to about one bf16 step of the largest logit."""
+        if len({id(r) for r in reqs}) != len(reqs):
+            raise ValueError("step_rows takes each request once")
+        for req in reqs:
+            self.check_context(req, 1)
+        exact = [req.exact == len(req.tokens) for req in reqs]
+        for req, ex in zip(reqs, exact, strict=True):
+            if ex and req.pre is not None and self.recurrent and self.prefix_cache:
+                req.held = req.cache.snapshot()
+        x = torch.tensor([[t] for t in tokens], dtype=torch.long)
+        logits = decode.step_rows(
+            self.model,
+            [r.cache for r in reqs],
+            x,
+            [r.pre for r in reqs],
+            [r.decode for r in reqs],
+        ).float()
+        for req, token, ex in zip(reqs, tokens, exact, strict=True):
+            self._stepped(req, token, ex)
+        self.decode_stats.forwards += 1
+        self.decode_stats.rows += len(reqs)
+        return list(logits)
+
+    @staticmethod
+    def _stepped(req: Request, token: int, exact: bool) -> None:
         if exact and req.pre is None:  # gate-routed: the same experts as a prefill
             req.exact += 1
         req.tokens.append(token)
-        return logits
 
     def generate(
         self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None
@@ -424,6 +477,21 @@ class Engine:
         seconds = time.perf_counter() - t0
         for g, out in zip(batch, logits, strict=True):
             g._prefilled = (out, seconds, before)
+
+    def step_together(self, gens: list[Generation]) -> int:
+        """Run the next decode step of those `gens` that wait for one (`pending_step`) in one
+        forward (step_rows); each takes its logits at its next advance(). Returns how many
+        ran together (none unless at least two wait)."""
+        pending = [(g, g.pending_step) for g in gens]
+        ready = [(g, p) for g, p in pending if p is not None]
+        if len(ready) < 2:
+            return 0
+        t0 = time.perf_counter()
+        logits = self.step_rows([p[0] for _, p in ready], [p[1] for _, p in ready])
+        seconds = time.perf_counter() - t0
+        for (g, _), out in zip(ready, logits, strict=True):
+            g.stepped(out, seconds)
+        return len(ready)
 
     def reuse_beats_batch(self, held: int, n: int) -> bool:
         """Whether restoring `held` of a prompt's n tokens from the prefix cache, then
@@ -473,7 +541,9 @@ class Generation:
 
     A scheduler runs several at once with `advance()`, one forward per call: a chunk of at
     most prefill_chunk prompt tokens, or a decode step. Each generation keeps its own state, so
-    the order does not change outputs. (Iterating prefills the prompt in one forward: alone,
+    the order does not change outputs. Engine.step_together runs the pending decode steps of
+    several in one forward first; each advance() then only samples from its own row's logits
+    (equal to its own step's up to the rounding of a matmul over several rows). (Iterating prefills the prompt in one forward: alone,
     there is nothing to interleave. The two can differ in the last bits of the logits.)
     """
 
@@ -498,6 +568,10 @@ class Generation:
         # (the prompt's last logits, prefill seconds, the engine's stats before)
         self._req: Request | None = None
         self._prefilled: tuple[torch.Tensor, float, EngineStats] | None = None
+        # between a token handed out and its decode step: (request, token); that step's
+        # (logits, seconds) when Engine.step_together ran it with other requests' steps
+        self._pending: tuple[Request, int] | None = None
+        self._stepped: tuple[torch.Tensor, float] | None = None
 
     def _started(self, chunk: int) -> Iterator[tuple[int, torch.Tensor] | None]:
         if self._units is None:
@@ -516,6 +590,17 @@ class Generation:
         if self.done:  # its last token handed out: end it now, releasing its pins
             self.close()
         return item
+
+    @property
+    def pending_step(self) -> tuple[Request, int] | None:
+        """(its request, the token to feed) when its next advance() runs a decode step."""
+        return None if self.done else self._pending
+
+    def stepped(self, logits: torch.Tensor, seconds: float) -> None:
+        """Its pending decode step ran elsewhere (Engine.step_together): the next advance()
+        samples from these logits [V] instead of running the step."""
+        assert self._pending is not None, "no decode step pending"
+        self._stepped, self._pending = (logits, seconds), None
 
     @property
     def started(self) -> bool:
@@ -575,12 +660,19 @@ class Generation:
                 last = i + 1 == self.max_tokens
                 if last:
                     self.finish_reason, self.done = "length", True
-                yield token, torch.log_softmax(logits, dim=-1)
                 if last:
+                    yield token, torch.log_softmax(logits, dim=-1)
                     return
-                t = time.perf_counter()
-                logits = eng.step(req, token)
-                decode_s += time.perf_counter() - t
+                self._pending = (req, token)
+                yield token, torch.log_softmax(logits, dim=-1)
+                self._pending = None
+                if self._stepped is not None:  # run with others' steps (step_together)
+                    (logits, seconds), self._stepped = self._stepped, None
+                else:
+                    t = time.perf_counter()
+                    logits = eng.step(req, token)
+                    seconds = time.perf_counter() - t
+                decode_s += seconds
                 steps += 1
         finally:
             self.done = True

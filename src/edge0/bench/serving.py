@@ -4,13 +4,16 @@ Each arm is its own `edge0 serve` process; rounds rotate the arms' order.
 
 - concurrency: one streamed chat without max_tokens (it runs to the server's default cap) is
   decoding when 7 more arrive at once. Their first-token latency (p50, p95) with
-  `--max-active 1` (one request at a time, in arrival order) against `--max-active 8` (each
-  active request runs one forward in turn), and each one's time alone on the same server.
-  The acceptance bound per request: twice its time alone plus one decode step per active
-  request.
+  `--max-active 1` (one request at a time, in arrival order), `--max-active 8
+  --no-batch-decode` (each active request runs one forward in turn) and `--max-active 8`
+  (the active requests' decode steps in one forward), and each one's time alone on the same
+  server. The acceptance bound per request: twice its time alone plus one decode step per
+  active request.
 - prefill: the 7 short chats' prompts prefilled one after another against in one batched
   forward (Engine.prefill_together), in this process: the compute a simultaneous arrival
   costs.
+- decode: B = 1, 2, 4, 8 requests' decode steps one after another against in one forward
+  (Engine.step_rows), in this process.
 - prefix: a 3-turn chat whose first user turn is about 1,000 tokens. Turn 2's time to first
   token with `--prefix-cache auto` against `--prefix-cache 0`, and whether the texts agree.
 """
@@ -137,8 +140,16 @@ def short_chats() -> list[list[dict]]:
     return [[{"role": "user", "content": f"Tell me about {t}."}] for t in topics]
 
 
-def concurrency_arm(model_dir: Path, active: int, cfg: ServingConfig) -> dict:
-    server = Server(model_dir, ["--max-active", str(active)], cfg.threads)
+# label -> serve's arguments
+CONCURRENCY_ARMS = {
+    "one at a time": ["--max-active", "1"],
+    "in turn": ["--max-active", str(CONCURRENT), "--no-batch-decode"],
+    "batched": ["--max-active", str(CONCURRENT)],
+}
+
+
+def concurrency_arm(model_dir: Path, arm: str, cfg: ServingConfig) -> dict:
+    server = Server(model_dir, CONCURRENCY_ARMS[arm], cfg.threads)
     try:
         chats = short_chats()
         server.chat(chats[0], cfg.max_tokens)  # warm up
@@ -156,7 +167,7 @@ def concurrency_arm(model_dir: Path, active: int, cfg: ServingConfig) -> dict:
     bounds = [2 * a["first_s"] + CONCURRENT * solo_step for a in alone]
     firsts = [t["first_s"] for t in together]
     return {
-        "arm": f"max_active={active}",
+        "arm": arm,
         "alone_first_s": [a["first_s"] for a in alone],
         "together_first_s": firsts,
         "p50_s": statistics.median(firsts),
@@ -203,6 +214,45 @@ def prefill_arm(model_dir: Path, cfg: ServingConfig, reps: int = 5) -> dict:
     }
 
 
+def decode_arm(model_dir: Path, cfg: ServingConfig, reps: int = 9) -> dict:
+    """Milliseconds for B requests' decode steps one after another and in one forward."""
+    import torch
+
+    from edge0.engine import load_engine
+    from edge0.options import EngineOptions
+    from edge0.prompt import ChatTemplate
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    engine = load_engine(model_dir, EngineOptions(max_active=CONCURRENT))
+    rows = {}
+    try:
+        template = ChatTemplate(engine.tokenizer)
+        prompts = [template.render(c).ids for c in short_chats()] + [[1, 2, 3]]
+        reqs = [engine.new_request() for _ in prompts]
+        for req, ids in zip(reqs, prompts, strict=True):
+            engine.prefill(req, ids)
+        for b in (1, 2, 4, CONCURRENT):
+            serial, together = [], []
+            for _ in range(reps + 1):  # the first is a warm-up
+                t0 = time.perf_counter()
+                for req in reqs[:b]:
+                    engine.step(req, 5)
+                t1 = time.perf_counter()
+                engine.step_rows(reqs[:b], [5] * b)
+                serial.append(t1 - t0)
+                together.append(time.perf_counter() - t1)
+            rows[b] = {
+                "serial_ms": statistics.median(serial[1:]) * 1e3,
+                "together_ms": statistics.median(together[1:]) * 1e3,
+            }
+        for req in reqs:
+            req.release()
+    finally:
+        engine.close()
+    return rows
+
+
 def prefix_arm(model_dir: Path, prefix: str, cfg: ServingConfig) -> dict:
     server = Server(model_dir, ["--prefix-cache", prefix], cfg.threads)
     try:
@@ -231,15 +281,20 @@ def _p95(xs: list[float]) -> float:
 def run_serving(model_dir: Path, cfg: ServingConfig) -> dict:
     conc: dict[str, list[dict]] = {}
     pref: dict[str, list[dict]] = {}
+    names = list(CONCURRENCY_ARMS)
     for r in range(cfg.rounds):
-        arms = [1, CONCURRENT] if r % 2 == 0 else [CONCURRENT, 1]
-        for active in arms:
-            row = concurrency_arm(model_dir, active, cfg)
+        for arm in names[r % len(names) :] + names[: r % len(names)]:  # rotated
+            row = concurrency_arm(model_dir, arm, cfg)
             conc.setdefault(row["arm"], []).append(row)
         for prefix in ["auto", "0"] if r % 2 == 0 else ["0", "auto"]:
             row = prefix_arm(model_dir, prefix, cfg)
             pref.setdefault(row["arm"], []).append(row)
-    return {"concurrency": conc, "prefill": prefill_arm(model_dir, cfg), "prefix": pref}
+    return {
+        "concurrency": conc,
+        "prefill": prefill_arm(model_dir, cfg),
+        "decode": decode_arm(model_dir, cfg),
+        "prefix": pref,
+    }
 
 
 def report(summary: dict) -> str:
@@ -253,7 +308,7 @@ def report(summary: dict) -> str:
                 f / b for f, b in zip(row["together_first_s"], row["bounds_s"], strict=True)
             )
             lines.append(
-                f"  {arm:>13}: p50 {row['p50_s']:.3f} s, p95 {row['p95_s']:.3f} s; alone "
+                f"  {arm:>14}: p50 {row['p50_s']:.3f} s, p95 {row['p95_s']:.3f} s; alone "
                 f"median {statistics.median(row['alone_first_s']):.3f} s; within bound "
                 f"{row['within_bound']}/{len(row['together_first_s'])} (bounds "
                 f"{min(row['bounds_s']):.3f}-{max(row['bounds_s']):.3f} s, worst "
@@ -265,6 +320,12 @@ def report(summary: dict) -> str:
         f"{max(p['prompt_tokens'])} tokens): one after another {p['serial_s'] * 1e3:.1f} ms, "
         f"in one forward {p['together_s'] * 1e3:.1f} ms ({p['serial_s'] / p['together_s']:.1f}x)"
     )
+    lines.append("decode steps of B requests, one after another / in one forward:")
+    for b, row in summary["decode"].items():
+        lines.append(
+            f"  B={b}: {row['serial_ms']:.1f} ms / {row['together_ms']:.1f} ms "
+            f"({row['serial_ms'] / row['together_ms']:.2f}x)"
+        )
     lines.append("3-turn chat, ~1,000-token first turn; time to first token per turn:")
     texts = {}
     for arm, rows in summary["prefix"].items():

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from edge0.models.experts import Executor
-from edge0.models.layers import KVCache
+from edge0.models.layers import KVCache, RowCaches
 
 # Observer signature: (layer, MoE input h [T, D], routing logits [T, E], executed top-k [T, K]).
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -63,8 +63,56 @@ class Forward:
         """What computes this layer's experts in this call: the executor, else the module."""
         return self.executors.get(layer, module)
 
-    def position(self, layer: int) -> int:
-        return 0 if self.cache is None else self.cache.length[layer]
+    def positions(self, t: int, device=None) -> torch.Tensor:
+        """The rotary positions of this call's t tokens: [T], or [B, 1, T] for RowCaches."""
+        if self.cache is None:
+            return torch.arange(t, device=device)
+        return self.cache.positions(t, device)
+
+
+class RowsForward(Forward):
+    """One forward of B requests' decode tokens, one row each, every row with its own
+    Forward (its cache, predictions, allowed sets, observer and executors, as a step of that
+    request alone would have). Dense work runs on all rows at once; attention runs per row
+    over each row's own cache (RowCaches); at an MoE layer the router runs on all rows, each
+    row's predictions and allowed set replace or restrict its own row, each row's observer
+    sees its row, and each row's executor computes its row's experts (so each request pins
+    and reads what it would alone)."""
+
+    def __init__(self, rows: list[Forward]):
+        super().__init__(RowCaches([f.cache for f in rows]))
+        self.rows = rows
+        for layer in {k for f in rows for k in f.allowed}:
+            e = next(f.allowed[layer] for f in rows if layer in f.allowed).shape[-1]
+            self.allowed[layer] = torch.cat(
+                [f.allowed.get(layer, torch.ones(1, e, dtype=torch.bool)) for f in rows]
+            )
+
+    def router_logits(self, layer: int, h: torch.Tensor, router: nn.Module) -> torch.Tensor:
+        preds = [f.predicted.get(layer) for f in self.rows]
+        if all(p is not None for p in preds):
+            return torch.cat(preds)
+        logits = router(h)
+        for i, p in enumerate(preds):
+            if p is not None:
+                logits[i : i + 1] = p
+        return logits
+
+    def routed(
+        self, layer: int, h: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor
+    ) -> None:
+        for i, f in enumerate(self.rows):
+            f.routed(layer, h[i : i + 1], logits[i : i + 1], indices[i : i + 1])
+
+    def experts(self, layer: int, module: nn.Module) -> Executor:
+        executors = [f.experts(layer, module) for f in self.rows]
+
+        def each_row(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+            return torch.cat(
+                [ex(x[i : i + 1], indices[i : i + 1]) for i, ex in enumerate(executors)]
+            )
+
+        return each_row
 
 
 def config_from_dict(cls, raw: dict[str, Any], aliases: dict[str, str] | None = None):

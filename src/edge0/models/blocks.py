@@ -226,8 +226,7 @@ class CausalLM(nn.Module):
     def hidden(self, ids: torch.Tensor, fwd: Forward) -> torch.Tensor:
         """ids [B, T] -> final-norm hidden states [B, T, D]."""
         x = self.backbone.embedding()(ids)
-        start = fwd.position(0)
-        rope = self.rotary(torch.arange(start, start + ids.shape[1], device=ids.device), x.dtype)
+        rope = self.rotary(fwd.positions(ids.shape[1], ids.device), x.dtype)
         for layer in self.backbone.layers:
             x = layer(x, rope, fwd)
         return self.backbone.norm(x)

@@ -141,15 +141,21 @@ class MLA(nn.Module):
         if self.interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q_rope, k_rope = apply_rotary(q_rope, *rope), apply_rotary(k_rope, *rope)
-        if cache is not None:
-            latent, k_rope = cache.update(self.layer, latent, k_rope)
         w_uk, w_uv = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.r).split(
             [self.dn, self.dv], dim=1
         )  # [H, dn, r], [H, dv, r]
         q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)  # the key up-projection, folded
         q = torch.cat([q_lat, q_rope], dim=-1)  # [B, H, T, r + dr]
-        k = torch.cat([latent, k_rope], dim=-1)  # [B, 1, S, r + dr], shared by all heads
-        out = attend(q, k, latent, (self.dn + self.dr) ** -0.5).view(b, t, self.h, self.r)
+        scale = (self.dn + self.dr) ** -0.5
+
+        def over(q, latent, k_rope):  # k [B, 1, S, r + dr], shared by all heads
+            return attend(q, torch.cat([latent, k_rope], dim=-1), latent, scale)
+
+        if cache is None:
+            out = over(q, latent, k_rope)
+        else:
+            out = cache.attend(self.layer, q, latent, k_rope, over)
+        out = out.view(b, t, self.h, self.r)
         return torch.einsum("bthr,hvr->bthv", out, w_uv)  # the value up-projection
 
 

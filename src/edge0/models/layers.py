@@ -42,7 +42,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         steps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device=positions.device)
         inv_freq = 1.0 / (self.theta ** (steps / self.rotary_dim))
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rot/2]
+        freqs = positions.float()[..., None] * inv_freq  # [..., T, rot/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -141,6 +141,17 @@ class KVCache:
         self.length[layer] = n + t
         return buf_k[:, :, : n + t], buf_v[:, :, : n + t]
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn):
+        """Append k, v [B, G, T, *] and return fn(q, all cached keys, all cached values): the
+        attention of a mixer over what this cache holds (see RowCaches)."""
+        k, v = self.update(layer, k, v)
+        return fn(q, k, v)
+
+    def positions(self, t: int, device=None) -> torch.Tensor:
+        """The positions [T] of the next t tokens (those every layer will have seen)."""
+        n = self.length[0]
+        return torch.arange(n, n + t, device=device)
+
     def _check(self, layer: int, t: int) -> None:
         if self.length[layer] + t > self.max_context:
             raise ContextOverflow(
@@ -212,6 +223,39 @@ class KVCache:
                 for buf, saved in zip(self._state[i], snap.state[i], strict=True):
                     buf.copy_(saved)
             self.length[i] = n
+
+
+class RowCaches:
+    """B requests' one-row caches as the cache of one forward of B rows (a batched decode
+    step): each row's keys and values go into its own cache at its own position and each row
+    attends over its own (rows differ in length, so attention runs row by row); recurrent
+    states are gathered into one batch and written back per row. Rotary positions are each
+    row's own ([B, 1, T]: broadcast over heads)."""
+
+    def __init__(self, rows: list[KVCache]):
+        self.rows = rows
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn):
+        return torch.cat(
+            [
+                c.attend(layer, q[i : i + 1], k[i : i + 1], v[i : i + 1], fn)
+                for i, c in enumerate(self.rows)
+            ]
+        )
+
+    def positions(self, t: int, device=None) -> torch.Tensor:
+        return torch.stack([c.positions(t, device) for c in self.rows])[:, None]  # [B, 1, T]
+
+    def state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        states = [c.state(layer) for c in self.rows]
+        if any(s is None for s in states):
+            assert all(s is None for s in states), "rows at different starts of a recurrence"
+            return None
+        return tuple(torch.cat(parts) for parts in zip(*states, strict=True))
+
+    def update_state(self, layer: int, state: tuple[torch.Tensor, ...], t: int) -> None:
+        for i, c in enumerate(self.rows):
+            c.update_state(layer, tuple(s[i : i + 1] for s in state), t)
 
 
 @dataclass
@@ -320,9 +364,12 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, Dh]
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
-        out = attend(q, k, v, self.head_dim**-0.5, self.window)  # [B, T, H*Dh]
+        scale, window = self.head_dim**-0.5, self.window
+
+        def over(q, k, v):  # [B, T, H*Dh]
+            return attend(q, k, v, scale, window)
+
+        out = over(q, k, v) if cache is None else cache.attend(self.layer, q, k, v, over)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(b, t, -1))
         return self.o_proj(out)

@@ -47,6 +47,12 @@ class EngineCollector(Collector):
                 px.hit_tokens,
             ),
         ]
+        rows += [
+            ("edge0_decode_forwards", "decode forwards run (one or several requests' steps)",
+             now.decode.forwards),
+            ("edge0_decode_rows", "request decode steps those forwards ran (rows / forwards: "
+             "the mean batch)", now.decode.rows),
+        ]
         for name, doc, value in rows:
             yield CounterMetricFamily(name, doc, value=value)
         yield CounterMetricFamily(

@@ -9,7 +9,11 @@ forward of each other active request, and a long prompt shares the thread chunk 
 When a request's first turn comes, every other active request that has not started yet
 starts with it: their prompts (each within one chunk) prefill in one forward
 (Engine.start_together), so the last of seven chat requests arriving together waits for one
-batched prefill, not for six others in turn.
+batched prefill, not for six others in turn. Likewise, when a request's decode step comes,
+every active request waiting for a decode step joins it in one forward
+(Engine.step_together) and they all go to the back of the line, so a turn of the line is one
+decode forward for all the decoding requests plus one prompt chunk of each prefilling one
+(EngineOptions.batch_decode; off, each decode step is a turn of its own).
 
 Requests beyond max_active wait in a bounded FIFO and are admitted in arrival order as active
 ones end; when the FIFO is full, submit() refuses at once (the caller answers 429) instead of
@@ -117,6 +121,7 @@ class Worker:
         self.engine = engine
         self.queue_size = queue_size
         self.max_active = engine.plan.max_active
+        self.batch_decode = engine.options.batch_decode
         self.on_generated = on_generated  # every generation that ran, however it ended
         self.tracebacks = tracebacks  # log a failed generation's traceback, not just one line
         self._waiting: collections.deque[Job] = collections.deque()
@@ -208,13 +213,28 @@ class Worker:
                     self._admit(self._waiting.popleft(), ended)
                 a = self._active[0] if self._active else None
                 self._active.rotate(-1)  # it goes to the back of the line
-                unstarted = []
+                unstarted, decoding = [], []
                 if a is not None and not a.gen.started:
                     # its first turn: the others admitted since, not started either, join it
                     unstarted = [b for b in self._active if not b.gen.started]
+                elif a is not None and self.batch_decode and self._decodes(a):
+                    # its decode step: every other active request's next decode step joins
+                    # it, and all of them go to the back of the line
+                    decoding = [b for b in self._active if self._decodes(b)]
+                    if len(decoding) > 1:
+                        for b in decoding:
+                            self._active.remove(b)
+                        self._active.extend(decoding)
             for job, event in ended:
                 job.sink(event)
             if len(unstarted) > 1 and not self._start_together(unstarted):
+                continue
+            if len(decoding) > 1:
+                if self._step_together(decoding):
+                    for b in decoding:
+                        final = self._advance(b)
+                        if final is not None:
+                            self._end(b, final)
                 continue
             if a is not None:
                 final = self._advance(a)
@@ -243,6 +263,24 @@ class Worker:
         except Exception as e:
             failed = self._failed(e)
             for a in admitted:
+                a.gen.close()
+                self._end(a, failed)
+            return False
+
+    @staticmethod
+    def _decodes(a: _Active) -> bool:
+        """Whether a's next forward is a decode step (not a prompt chunk, not its end)."""
+        return a.gen.pending_step is not None and not a.job.cancel.is_set()
+
+    def _step_together(self, decoding: list[_Active]) -> bool:
+        """The decode steps of `decoding` in one forward (Engine.step_together); each then
+        samples its token at its advance. If that fails, they fail. Whether it ran."""
+        try:
+            self.engine.step_together([a.gen for a in decoding])
+            return True
+        except Exception as e:
+            failed = self._failed(e)
+            for a in decoding:
                 a.gen.close()
                 self._end(a, failed)
             return False
