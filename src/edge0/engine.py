@@ -543,8 +543,9 @@ class Generation:
     most prefill_chunk prompt tokens, or a decode step. Each generation keeps its own state, so
     the order does not change outputs. Engine.step_together runs the pending decode steps of
     several in one forward first; each advance() then only samples from its own row's logits
-    (equal to its own step's up to the rounding of a matmul over several rows). (Iterating prefills the prompt in one forward: alone,
-    there is nothing to interleave. The two can differ in the last bits of the logits.)
+    (equal to its own step's up to the rounding of a matmul over several rows). (Iterating
+    prefills the prompt in one forward: alone, there is nothing to interleave. The two can
+    differ in the last bits of the logits.)
     """
 
     def __init__(self, engine: Engine, prompt: list[int], max_tokens: int, sampling):
