@@ -48,10 +48,16 @@ class EngineCollector(Collector):
             ),
         ]
         rows += [
-            ("edge0_decode_forwards", "decode forwards run (one or several requests' steps)",
-             now.decode.forwards),
-            ("edge0_decode_rows", "request decode steps those forwards ran (rows / forwards: "
-             "the mean batch)", now.decode.rows),
+            (
+                "edge0_decode_forwards",
+                "decode forwards run (one or several requests' steps)",
+                now.decode.forwards,
+            ),
+            (
+                "edge0_decode_rows",
+                "request decode steps those forwards ran (rows / forwards: the mean batch)",
+                now.decode.rows,
+            ),
         ]
         for name, doc, value in rows:
             yield CounterMetricFamily(name, doc, value=value)
