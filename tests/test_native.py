@@ -1,5 +1,6 @@
-"""The native fused expert op: the engine decodes the same with it, and a machine that cannot
-build it is told why and served by the pure-PyTorch path."""
+"""The native decode ops (fused experts, attention): the engine decodes bit-identically with
+them, they take only the layers they compute exactly, and a machine that cannot build them is
+told why and served by the pure-PyTorch paths."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from edge0 import builtin, native
+from edge0.convert import convert
 from edge0.engine import EngineOptions, load_engine
 from edge0.streaming.executors import FusedExperts, decode_experts, torch_experts
+from edge0.synth import Shape, synth
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
@@ -32,8 +35,74 @@ def greedy_logits(kernel: str, no_prerouter: bool, steps: int = 12) -> torch.Ten
 
 @pytest.mark.parametrize("no_prerouter", [False, True], ids=["staged", "exact"])
 def test_engine_decodes_bit_identically_with_either_kernel(no_prerouter):
+    """The built-in model: float attention projections under LoRA, experts int4."""
     torch.manual_seed(0)
     assert torch.equal(greedy_logits("fused", no_prerouter), greedy_logits("torch", no_prerouter))
+
+
+@pytest.fixture(scope="module")
+def int4_model(tmp_path_factory):
+    """A random qwen3_moe with int4 resident projections (the default format)."""
+    shape = Shape(
+        layers=3, hidden=256, heads=4, kv_heads=2, experts=8, top_k=2, expert_width=128, vocab=512
+    )
+    out = tmp_path_factory.mktemp("int4") / "m"
+    return synth(out, shape, tokenizer_dir=builtin.model_dir(), progress=False)
+
+
+def test_the_native_attention_serves_int4_layers_bit_identically(int4_model):
+    """Every layer's attention (int4 q/k/v/o, q/k norm per head) runs through the native op
+    at decode, and the logits are those of the pure-PyTorch path, bit for bit."""
+    fused, served = decode_logits(int4_model, "fused")
+    reference, none = decode_logits(int4_model, "torch")
+    assert served == [0, 1, 2] and none == []
+    assert torch.equal(fused, reference)
+
+
+def decode_logits(path, kernel: str) -> tuple[torch.Tensor, list[int]]:
+    """Greedy prefill and 10 decode steps' logits with `kernel`, and the layers whose
+    attention the native op served."""
+    engine = load_engine(path, EngineOptions(io_mode="buffered", expert_kernel=kernel))
+    try:
+        with engine.new_request() as req:
+            logits = [engine.prefill(req, engine.tokenizer.encode("def f(x):"))]
+            for _ in range(10):
+                logits.append(engine.step(req, int(logits[-1].argmax())))
+        return torch.stack(logits), sorted(engine._mixers)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    "family, kw, served",
+    [
+        ("mixtral", {}, True),
+        ("mixtral", dict(sliding_window=64), False),
+        ("olmoe", {}, False),
+        ("qwen3_5_moe", {}, False),
+    ],
+    ids=["mixtral", "sliding-window", "olmoe", "qwen3.5"],
+)
+def test_the_native_attention_takes_only_the_layers_it_computes_exactly(
+    tmp_path, family, kw, served
+):
+    """No q/k norm (Mixtral) is served; a sliding window, a q/k norm over the whole
+    projection (OLMoE), and Qwen3.5's output gate, partial rotary and zero-centred norms
+    (or a linear-attention mixer) keep the module's own forward."""
+    from edge0.loader import load_edge0_model
+    from edge0.native.attention import servable
+    from test_families import make_checkpoint
+
+    make_checkpoint(tmp_path / "hf", family, **kw)
+    convert(tmp_path / "hf", tmp_path / "e0", progress=False)
+    _, model = load_edge0_model(tmp_path / "e0", torch.float32, experts="streaming")
+    assert [servable(layer.mixer) for layer in model.backbone.layers] == [served] * len(
+        model.backbone.layers
+    )
+    if served:  # and computes it bit-identically (no q/k norm here)
+        fused, layers = decode_logits(tmp_path / "e0", "fused")
+        assert layers == list(range(len(model.backbone.layers)))
+        assert torch.equal(fused, decode_logits(tmp_path / "e0", "torch")[0])
 
 
 NO_COMPILER = """
@@ -61,7 +130,7 @@ def test_a_machine_without_a_compiler_is_told_and_falls_back(tmp_path):
         [sys.executable, "-c", NO_COMPILER, str(tmp_path)], env=env, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "REFUSED could not compile the fused expert kernel" in out.stdout
+    assert "REFUSED could not compile the native decode kernels" in out.stdout
     assert "no-such-compiler" in out.stdout  # the reason is the compiler's failure
     assert "FELL BACK" in out.stdout and "pure-PyTorch" in out.stderr
 
@@ -105,5 +174,5 @@ def test_the_cli_names_the_reason_when_fused_cannot_be_built(tmp_path):
         text=True,
     )
     assert out.returncode == 2, out.stderr
-    assert "edge0: error: could not compile the fused expert kernel" in out.stderr
+    assert "edge0: error: could not compile the native decode kernels" in out.stderr
     assert "Traceback" not in out.stderr

@@ -40,9 +40,13 @@ def step(
     tokens: torch.Tensor,
     pre: PrerouterState | None = None,
     executors: dict[int, Executor] | None = None,
+    mixers: dict | None = None,
 ) -> torch.Tensor:
-    """tokens [B, 1] -> logits [B, V]; consumers route by the current predictions."""
-    logits = model(tokens, step_forward(cache, pre, executors), last_only=True)[:, -1]
+    """tokens [B, 1] -> logits [B, V]; consumers route by the current predictions; `mixers`
+    stand in for those layers' mixers (Forward.mixers)."""
+    fwd = step_forward(cache, pre, executors)
+    fwd.mixers = mixers or {}
+    logits = model(tokens, fwd, last_only=True)[:, -1]
     if pre is not None:
         pre.flush()
     return logits

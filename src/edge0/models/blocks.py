@@ -109,7 +109,8 @@ class DecoderLayer(nn.Module):
         return self._modules[self.mlp_name]
 
     def forward(self, x: torch.Tensor, rope, fwd: Forward) -> torch.Tensor:
-        x = x + self.mixer(self.input_layernorm(x), rope, fwd.cache)
+        mixer = fwd.mixer(self.mixer.layer, self.mixer)
+        x = x + mixer(self.input_layernorm(x), rope, fwd.cache)
         h = self.post_attention_layernorm(x)
         mlp = self.mlp_block
         return x + (mlp(h, fwd) if self.is_moe else mlp(h))

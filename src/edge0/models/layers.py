@@ -141,6 +141,13 @@ class KVCache:
         self.length[layer] = n + t
         return buf_k[:, :, : n + t], buf_v[:, :, : n + t]
 
+    def slot(self, layer: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's whole key and value buffers [B, G, max_context, *], for a caller that
+        writes t tokens at `length[layer]` itself and then advances the length (the native
+        attention op); ContextOverflow if they do not fit."""
+        self._check(layer, t)
+        return self.k[layer], self.v[layer]
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn):
         """Append k, v [B, G, T, *] and return fn(q, all cached keys, all cached values): the
         attention of a mixer over what this cache holds (see RowCaches)."""

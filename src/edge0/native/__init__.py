@@ -1,9 +1,13 @@
 """Native kernels, compiled from source on the machine that runs them.
 
-One op so far, `torch.ops.edge0.swiglu_int4_experts`: a decode token through its K int4
-experts in one call (experts.cpp). It calls only ATen ops, so it computes bit-identically
-to the pure-PyTorch path and ATen still picks the int4 kernel for the CPU at hand; what it
-removes is the Python and dispatch between ~16 ops per expert.
+Two ops (decode_ops.cpp), each running the ATen ops of a pure-PyTorch path in the same order
+in one call, so each computes bit-identically to that path and ATen still picks the int4
+kernel for the CPU at hand; what they remove is the Python and dispatch between the ops:
+
+  torch.ops.edge0.swiglu_int4_experts  a decode token through its K int4 experts (~16 ops
+                                       per expert)
+  torch.ops.edge0.attention_decode     a decode token of one sequence through a GQA
+                                       attention layer (native/attention.py says which)
 
 The library is compiled with the system's C++ compiler against the installed torch's
 headers, in a child process, the first time it is needed (`make` set-up does it: `python -m
@@ -29,7 +33,7 @@ from edge0.store.relayout import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("experts.cpp")
+SOURCE = Path(__file__).with_name("decode_ops.cpp")
 CFLAGS = ["-O2"]  # no -march: the code is ISA-neutral, ATen dispatches the kernels
 
 
@@ -40,7 +44,7 @@ class NativeUnavailable(RuntimeError):
 def library_path(cache_dir: Path | None = None) -> Path:
     """Where this torch's build of this source lives (its name carries the source's hash)."""
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
-    name = f"edge0_experts_{digest}"
+    name = f"edge0_decode_{digest}"
     root = (cache_dir or default_cache_dir()) / "native" / f"torch-{torch.__version__}"
     return root / name / f"{name}.so"
 
@@ -58,7 +62,7 @@ def build(cache_dir: Path | None = None) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise NativeUnavailable(
-            f"cannot create {path.parent} for the fused expert kernel: {e}"
+            f"cannot create {path.parent} for the native decode kernels: {e}"
         ) from e
     env = dict(os.environ)
     try:
@@ -68,7 +72,7 @@ def build(cache_dir: Path | None = None) -> Path:
     except ImportError:
         pass  # a system ninja may still be on PATH; torch says so if not
     # a warning, not info: the first start pauses ~15 s, once (`make` does it at set-up)
-    log.warning("compiling the fused expert kernel for this machine, once (%s)", path.parent)
+    log.warning("compiling the native decode kernels for this machine, once (%s)", path.parent)
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "edge0.native", "--compile-into", str(path)],
@@ -79,7 +83,7 @@ def build(cache_dir: Path | None = None) -> Path:
     if proc.returncode or not path.exists():
         tail = [line[:200] for line in (proc.stderr or proc.stdout).strip().splitlines()[-3:]]
         raise NativeUnavailable(
-            "could not compile the fused expert kernel (a C++ compiler and torch's headers "
+            "could not compile the native decode kernels (a C++ compiler and torch's headers "
             f"are needed; expert_kernel='torch' computes the same without it): "
             f"{' | '.join(tail) or f'exit status {proc.returncode}'}"
         )
@@ -111,11 +115,21 @@ def _registered() -> bool:
     return hasattr(torch.ops.edge0, "swiglu_int4_experts")
 
 
-def swiglu_int4_experts(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
-    """The op, built and loaded if need be: (x [1, D], w13s, p13s, w2s, p2s) -> [K, D].
-
-    A process registers the op once: loading a second build (another cache folder) would
-    register it again, which aborts the process, so a registered op is used as it is."""
+def _load(cache_dir: Path | None) -> None:
+    """Build and load the library unless this process registered its ops already: loading a
+    second build (another cache folder) would register them again, which aborts the
+    process, so registered ops are used as they are."""
     if not _registered():
         torch.ops.load_library(str(build(cache_dir)))
+
+
+def swiglu_int4_experts(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
+    """The op, built and loaded if need be: (x [1, D], w13s, p13s, w2s, p2s) -> [K, D]."""
+    _load(cache_dir)
     return torch.ops.edge0.swiglu_int4_experts
+
+
+def attention_decode(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
+    """The op, built and loaded if need be (its arguments: native/attention.py)."""
+    _load(cache_dir)
+    return torch.ops.edge0.attention_decode

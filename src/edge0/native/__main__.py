@@ -28,9 +28,9 @@ def main() -> int:
         path = native.build(args.cache_dir)
         native.swiglu_int4_experts(args.cache_dir)  # loads and registers: the build works
     except native.NativeUnavailable as e:
-        print(f"edge0: no fused expert kernel, the pure-PyTorch path will be used: {e}")
+        print(f"edge0: no native decode kernels, the pure-PyTorch paths will be used: {e}")
         return 0
-    print(f"edge0: fused expert kernel ready ({path}, {time.perf_counter() - start:.1f} s)")
+    print(f"edge0: native decode kernels ready ({path}, {time.perf_counter() - start:.1f} s)")
     return 0
 
 
