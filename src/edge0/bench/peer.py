@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +34,8 @@ from edge0.plan import RUNTIME_RESERVE, plan_for_dir
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
 from edge0.synth import Shape
+
+log = logging.getLogger(__name__)
 
 PEERS = ("llama.cpp",)
 # the peer bench's default shape: 2.6 GiB of int4 experts, a 30B-class expert count at 1/4 the width
@@ -185,6 +189,12 @@ def run_one(spec: dict, cap: int | None, workdir: Path) -> dict:
         code, err = proc.returncode, proc.stderr
     if code == -9 and cap is not None:  # the cgroup's OOM killer: a result, not an error
         result = {"engine": spec["engine"], "killed": f"killed under the {spec['cap_label']} cap"}
+    elif code < 0 and not spec["engine"].startswith("edge0"):
+        # the peer crashed (llama-cpp-python 0.3.36's repacking path segfaults on an AMX
+        # Xeon): a result of the run, reported as such, while the other engines go on
+        why = f"crashed: {signal.Signals(-code).name}"
+        log.warning("%s %s; its last output:\n%s", name, why, err[-1500:])
+        result = {"engine": spec["engine"], "crashed": why}
     elif code != 0:
         raise RuntimeError(f"peer bench run {name} failed (exit {code}):\n{err[-3000:]}")
     else:
@@ -288,7 +298,8 @@ def summarize(runs: list[dict], caps: list[tuple[str, int | None]], engines: lis
             mine = [r for r in runs if r["cap_label"] == label and r["engine"] == engine]
             if not mine:
                 continue
-            ran = [r for r in mine if "killed" not in r]
+            ran = [r for r in mine if "killed" not in r and "crashed" not in r]
+            crashed = sorted({r["crashed"] for r in mine if "crashed" in r})
             usage = [r["cgroup_max_usage_bytes"] for r in ran if r["cgroup_max_usage_bytes"]]
 
             def median(key: str, ran=ran) -> float | None:
@@ -302,7 +313,8 @@ def summarize(runs: list[dict], caps: list[tuple[str, int | None]], engines: lis
                     "engine": engine,
                     "cap": label,
                     "cap_bytes": cap,
-                    "killed_rounds": len(mine) - len(ran),
+                    "killed_rounds": sum("killed" in r for r in mine),
+                    "crashed": crashed,
                     "decode_tok_s": median("decode_tok_s"),
                     "decode_tok_s_rounds": [r["decode_tok_s"] for r in ran],
                     "read_bytes_per_token": median("read_bytes_per_token"),
@@ -338,7 +350,8 @@ def report(s: dict) -> str:
         usage = row["cgroup_max_usage_bytes"]
         pool = row["edge0_pool_bytes"]
         if row["decode_tok_s"] is None:
-            lines.append(f"| {cap} | {row['engine']} | OOM-killed under the cap |" + " |" * 8)
+            why = ", ".join(row.get("crashed") or ["OOM-killed under the cap"])
+            lines.append(f"| {cap} | {row['engine']} | {why} |" + " |" * 8)
             continue
         lines.append(
             f"| {cap} | {row['engine']} | {row['decode_tok_s']:.2f} | "

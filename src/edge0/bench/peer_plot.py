@@ -21,7 +21,7 @@ def cap_labels(summary: dict) -> list[str]:
 def series(summary: dict) -> dict[str, dict[str, list[float | None]]]:
     """{engine: {'tok_s', 'anon_gib', 'file_gib', 'read_mib', 'killed': [one per cap]}},
     caps in cap_labels order; None where an engine has no run at that cap or was OOM-killed
-    there (then 'killed' is True)."""
+    (or crashed) there, and then 'killed' says which ("OOM-killed", "crashed: SIGSEGV")."""
     labels = cap_labels(summary)
     out: dict[str, dict[str, list[float | None]]] = {}
     for row in summary["rows"]:
@@ -31,8 +31,8 @@ def series(summary: dict) -> dict[str, dict[str, list[float | None]]]:
         )
         s.setdefault("killed", [False] * len(labels))
         i = labels.index(row["cap"])
-        if row["decode_tok_s"] is None:  # OOM-killed in every round: no point
-            s["killed"][i] = True
+        if row["decode_tok_s"] is None:  # OOM-killed (or crashed) in every round: no point
+            s["killed"][i] = ", ".join(row.get("crashed") or ["OOM-killed"])
             continue
         s["tok_s"][i] = row["decode_tok_s"]
         s["anon_gib"][i] = row["peak_anon_bytes"] / GIB
@@ -55,9 +55,9 @@ def plot(summary: dict, path: Path) -> Path:
     for engine, s in data.items():
         s = {k: [float("nan") if v is None else v for v in vs] for k, vs in s.items()}
         (line,) = ax1.plot(x, s["tok_s"], marker="o", label=engine)
-        for i in (i for i, k in enumerate(s["killed"]) if k):
+        for i, k in ((i, k) for i, k in enumerate(s["killed"]) if k):
             ax1.annotate(
-                f"{engine}\nOOM-killed", (i, 0.5), xycoords=("data", "axes fraction"),
+                f"{engine}\n{k}", (i, 0.5), xycoords=("data", "axes fraction"),
                 color=line.get_color(), fontsize=8, ha="center",
             )  # fmt: skip
         for ax, key in ((ax2, "read_mib"), (ax3, "anon_gib"), (ax4, "file_gib")):
