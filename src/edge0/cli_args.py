@@ -163,9 +163,10 @@ def add_engine_args(
         "--expert-kernel",
         choices=EXPERT_KERNELS,
         default=EngineOptions.expert_kernel,
-        help="decode's expert compute: one native call per token (fused, compiled once on "
-        "this machine), the pure-PyTorch path (torch; the same numbers), or fused where it "
-        "builds (auto, default)",
+        help="decode's expert and attention compute: native calls, one per token for its "
+        "experts and one for each attention layer they compute exactly (fused, compiled once "
+        "on this machine), the pure-PyTorch paths (torch; the same numbers), or fused where "
+        "it builds (auto, default)",
     )
     g.add_argument(
         "--dtype",

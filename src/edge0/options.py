@@ -24,9 +24,10 @@ class EngineOptions:
     relayout: str = "cache"  # codes in another arrangement than the host's: "cache" or "on-read"
     cache_dir: Path | None = None  # where "cache" keeps repacked copies (default ~/.cache/edge0)
     dtype: torch.dtype = torch.float32
-    # how decode computes a token's experts: "fused" (one native call for its K experts,
-    # compiled on first use), "torch" (the pure-PyTorch reference path; the same numbers),
-    # "auto" (fused where it can be built, else torch)
+    # how decode computes a token's experts and attention: "fused" (the native ops: one call
+    # for its K experts, one per attention layer the op computes exactly; compiled on first
+    # use), "torch" (the pure-PyTorch reference paths; the same numbers), "auto" (fused where
+    # it can be built, else torch)
     expert_kernel: str = "auto"
     max_context: int = 4096  # sizes the KV part of the resident floor
     # requests decoding at once: each holds its own state at max_context and staging room
