@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -328,10 +329,8 @@ def run_jobs(worker: Worker, jobs: list[Job], events: list) -> None:
         worker.stop()
 
 
-def test_the_generation_thread_takes_turns_and_chunks_long_prompts(engine):
-    """A long prompt (10 chunks of 8 tokens) submitted first does not keep a short request
-    waiting: the short one's tokens come between the long prompt's chunks."""
-    events: list[tuple[str, object]] = []
+def sinks(events: list) -> Callable[[object], Callable[[object], None]]:
+    """sink(name): a Job's sink that appends (name, event) to `events` (from any thread)."""
     lock = threading.Lock()
 
     def sink(name):
@@ -341,6 +340,14 @@ def test_the_generation_thread_takes_turns_and_chunks_long_prompts(engine):
 
         return put
 
+    return sink
+
+
+def test_the_generation_thread_takes_turns_and_chunks_long_prompts(engine):
+    """A long prompt (10 chunks of 8 tokens) submitted first does not keep a short request
+    waiting: the short one's tokens come between the long prompt's chunks."""
+    events: list[tuple[str, object]] = []
+    sink = sinks(events)
     long = engine.tokenizer.encode("The little robot read a book about the sea. " * 8)[:80]
     short = engine.tokenizer.encode("Once upon a time")
     greedy = SamplingParams(temperature=0)
@@ -362,15 +369,7 @@ def test_the_generation_thread_steps_active_requests_together(engine, batch_deco
     kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 2
     solo = [engine.generate(p, 10, kinds[i]).drain().tokens for i, p in enumerate(prompts)]
     events: list[tuple[int, object]] = []
-    lock = threading.Lock()
-
-    def sink(i):
-        def put(event):
-            with lock:
-                events.append((i, event))
-
-        return put
-
+    sink = sinks(events)
     jobs = [Job(p, 10, kinds[i], sink(i)) for i, p in enumerate(prompts)]
     worker = Worker(engine)
     worker.batch_decode = batch_decode

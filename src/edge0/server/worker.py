@@ -255,17 +255,8 @@ class Worker:
 
     def _start_together(self, admitted: list[_Active]) -> bool:
         """Requests not started yet prefill their prompts in one forward when the first of
-        them has its turn (see Engine.start_together); if that fails, they fail. Whether the
-        loop goes on as usual."""
-        try:
-            self.engine.start_together([a.gen for a in admitted])
-            return True
-        except Exception as e:
-            failed = self._failed(e)
-            for a in admitted:
-                a.gen.close()
-                self._end(a, failed)
-            return False
+        them has its turn (see Engine.start_together). Whether the loop goes on as usual."""
+        return self._together(self.engine.start_together, admitted)
 
     @staticmethod
     def _decodes(a: _Active) -> bool:
@@ -274,13 +265,18 @@ class Worker:
 
     def _step_together(self, decoding: list[_Active]) -> bool:
         """The decode steps of `decoding` in one forward (Engine.step_together); each then
-        samples its token at its advance. If that fails, they fail. Whether it ran."""
+        samples its token at its advance. Whether it ran."""
+        return self._together(self.engine.step_together, decoding)
+
+    def _together(self, run: Callable[[list], object], actives: list[_Active]) -> bool:
+        """run(their generations) for one forward of several requests; if it fails, they all
+        fail. Whether it ran."""
         try:
-            self.engine.step_together([a.gen for a in decoding])
+            run([a.gen for a in actives])
             return True
         except Exception as e:
             failed = self._failed(e)
-            for a in decoding:
+            for a in actives:
                 a.gen.close()
                 self._end(a, failed)
             return False
