@@ -50,19 +50,22 @@ def int4_model(tmp_path_factory):
     return synth(out, shape, tokenizer_dir=builtin.model_dir(), progress=False)
 
 
-def test_the_native_attention_serves_int4_layers_bit_identically(int4_model):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_attention_serves_int4_layers_bit_identically(int4_model, dtype):
     """Every layer's attention (int4 q/k/v/o, q/k norm per head) runs through the native op
-    at decode, and the logits are those of the pure-PyTorch path, bit for bit."""
-    fused, served = decode_logits(int4_model, "fused")
-    reference, none = decode_logits(int4_model, "torch")
+    at decode, and the logits are those of the pure-PyTorch path, bit for bit, in either
+    compute dtype."""
+    fused, served = decode_logits(int4_model, "fused", dtype)
+    reference, none = decode_logits(int4_model, "torch", dtype)
     assert served == [0, 1, 2] and none == []
     assert torch.equal(fused, reference)
 
 
-def decode_logits(path, kernel: str) -> tuple[torch.Tensor, list[int]]:
+def decode_logits(path, kernel: str, dtype=torch.float32) -> tuple[torch.Tensor, list[int]]:
     """Greedy prefill and 10 decode steps' logits with `kernel`, and the layers whose
     attention the native op served."""
-    engine = load_engine(path, EngineOptions(io_mode="buffered", expert_kernel=kernel))
+    opts = EngineOptions(io_mode="buffered", expert_kernel=kernel, dtype=dtype)
+    engine = load_engine(path, opts)
     try:
         with engine.new_request() as req:
             logits = [engine.prefill(req, engine.tokenizer.encode("def f(x):"))]
