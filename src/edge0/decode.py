@@ -44,9 +44,7 @@ def step(
 ) -> torch.Tensor:
     """tokens [B, 1] -> logits [B, V]; consumers route by the current predictions; `mixers`
     stand in for those layers' mixers (Forward.mixers)."""
-    fwd = step_forward(cache, pre, executors)
-    fwd.mixers = mixers or {}
-    logits = model(tokens, fwd, last_only=True)[:, -1]
+    logits = model(tokens, step_forward(cache, pre, executors, mixers), last_only=True)[:, -1]
     if pre is not None:
         pre.flush()
     return logits
@@ -71,13 +69,17 @@ def step_rows(
 
 
 def step_forward(
-    cache: KVCache, pre: PrerouterState | None, executors: dict[int, Executor] | None
+    cache: KVCache,
+    pre: PrerouterState | None,
+    executors: dict[int, Executor] | None,
+    mixers: dict | None = None,
 ) -> Forward:
     """A decode step's Forward: without a prerouter every layer routes by its own router;
     with one, each consumer routes by the predictions for it (W = K) or picks its K among the
     W staged for it (W > K)."""
+    kw = dict(executors=executors, mixers=mixers)
     if pre is None:
-        return Forward(cache, executors=executors)
+        return Forward(cache, **kw)
     if pre.rt.wide:
-        return Forward(cache, None, pre.observe, executors=executors, allowed=dict(pre.allowed))
-    return Forward(cache, dict(pre.predicted), pre.observe, executors=executors)
+        return Forward(cache, None, pre.observe, allowed=dict(pre.allowed), **kw)
+    return Forward(cache, dict(pre.predicted), pre.observe, **kw)

@@ -389,18 +389,13 @@ class Engine:
     def step(self, req: Request, token: int) -> torch.Tensor:
         """One decode step; returns the next logits [V]. With a prerouter, the consumers route
         by last step's predictions and this step's flush starts the next step's reads."""
-        self.check_context(req, 1)
-        exact = req.exact == len(req.tokens)
-        if exact and req.pre is not None and self.recurrent and self.prefix_cache:
-            req.held = req.cache.snapshot()
+        exact = self._before_step(req)
         x = torch.tensor([[token]], dtype=torch.long)
         t0 = time.perf_counter()
         logits = decode.step(self.model, req.cache, x, req.pre, req.decode, self._mixers)
         logits = logits[0].float()
         self.step_s.add(time.perf_counter() - t0)
-        self._stepped(req, token, exact)
-        self.decode_stats.forwards += 1
-        self.decode_stats.rows += 1
+        self._after_steps([req], [token], [exact])
         return logits
 
     @torch.inference_mode()
@@ -415,10 +410,7 @@ class Engine:
             raise ValueError("step_rows takes each request once")
         for req in reqs:
             self.check_context(req, 1)
-        exact = [req.exact == len(req.tokens) for req in reqs]
-        for req, ex in zip(reqs, exact, strict=True):
-            if ex and req.pre is not None and self.recurrent and self.prefix_cache:
-                req.held = req.cache.snapshot()
+        exact = [self._before_step(req) for req in reqs]
         x = torch.tensor([[t] for t in tokens], dtype=torch.long)
         logits = decode.step_rows(
             self.model,
@@ -427,17 +419,26 @@ class Engine:
             [r.pre for r in reqs],
             [r.decode for r in reqs],
         ).float()
-        for req, token, ex in zip(reqs, tokens, exact, strict=True):
-            self._stepped(req, token, ex)
-        self.decode_stats.forwards += 1
-        self.decode_stats.rows += len(reqs)
+        self._after_steps(reqs, tokens, exact)
         return list(logits)
 
-    @staticmethod
-    def _stepped(req: Request, token: int, exact: bool) -> None:
-        if exact and req.pre is None:  # gate-routed: the same experts as a prefill
-            req.exact += 1
-        req.tokens.append(token)
+    def _before_step(self, req: Request) -> bool:
+        """Before a decode step of `req`: its context checked, and with a recurrent state
+        to offer the prefix cache, a copy taken while it is exact. Whether it is exact."""
+        self.check_context(req, 1)
+        exact = req.exact == len(req.tokens)
+        if exact and req.pre is not None and self.recurrent and self.prefix_cache:
+            req.held = req.cache.snapshot()
+        return exact
+
+    def _after_steps(self, reqs: list[Request], tokens: list[int], exact: list[bool]) -> None:
+        """After one decode forward of `reqs`: their tokens, exact parts and the counters."""
+        for req, token, ex in zip(reqs, tokens, exact, strict=True):
+            if ex and req.pre is None:  # gate-routed: the same experts as a prefill
+                req.exact += 1
+            req.tokens.append(token)
+        self.decode_stats.forwards += 1
+        self.decode_stats.rows += len(reqs)
 
     def generate(
         self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None
