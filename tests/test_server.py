@@ -39,9 +39,10 @@ CONTEXT = 512  # the tiny model's max_position_embeddings
 USER = [{"role": "user", "content": "def add(a, b):"}]
 
 
-def make_chat_model(root: Path) -> Path:
-    """A tiny random Qwen3-MoE whose tokenizer has the ChatML template and markup tokens."""
-    hf = make_hf_model(root / "hf", scale=4.0)
+def make_chat_model(root: Path, **overrides) -> Path:
+    """A tiny random Qwen3-MoE whose tokenizer has the ChatML template and markup tokens
+    (`overrides`: config fields, e.g. a longer max_position_embeddings)."""
+    hf = make_hf_model(root / "hf", scale=4.0, **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (hf / name).unlink(missing_ok=True)
     train_bpe([TEXT], 384, hf)

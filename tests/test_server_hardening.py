@@ -50,7 +50,8 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return make_chat_model(tmp_path_factory.mktemp("hardening"))
+    # positions for 4096 tokens: requests that must outlast a shutdown grace run that long
+    return make_chat_model(tmp_path_factory.mktemp("hardening"), max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
@@ -459,8 +460,11 @@ def ends_with_shutting_down(events: list) -> bool:
 @pytest.mark.slow
 def test_sigterm_cuts_the_running_request_and_refuses_the_queued_ones(model_dir):
     # one active request, so the other two wait in the queue
-    server = ServeProcess(model_dir, "--shutdown-grace", "0.5", "--max-active", "1")
-    long = {"messages": USER, "max_tokens": 480, "temperature": 0, "stream": True}
+    # the running request must outlast the grace: a decode step of the test model is ~1 ms
+    server = ServeProcess(
+        model_dir, "--shutdown-grace", "0.5", "--max-active", "1", "--max-context", "4096"
+    )
+    long = {"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True}
     started = threading.Event()
     try:
         with ThreadPoolExecutor(3) as pool:
@@ -490,8 +494,9 @@ def test_sigterm_under_load_ends_every_active_request(model_dir):
     """Four requests decoding at once (serve's default max_active) and two queued: on SIGTERM
     the queued ones end at once and the active ones after the grace, each with a
     shutting_down error event and [DONE]."""
-    server = ServeProcess(model_dir, "--shutdown-grace", "1")
-    long = {"messages": USER, "max_tokens": 480, "temperature": 0, "stream": True}
+    # the active requests must outlast the grace, batched decode steps of ~1-2 ms included
+    server = ServeProcess(model_dir, "--shutdown-grace", "1", "--max-context", "4096")
+    long = {"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True}
     try:
         with ThreadPoolExecutor(6) as pool:
             started = [threading.Event() for _ in range(4)]
@@ -517,7 +522,7 @@ def test_sigterm_under_load_ends_every_active_request(model_dir):
 @pytest.mark.slow
 def test_sigterm_lets_the_running_request_finish(model_dir):
     server = ServeProcess(model_dir, "--shutdown-grace", "60", "--max-active", "1")
-    body = {"messages": USER, "max_tokens": 150, "temperature": 0, "stream": True}
+    body = {"messages": USER, "max_tokens": 480, "temperature": 0, "stream": True}
     started = threading.Event()
     try:
         with ThreadPoolExecutor(2) as pool:

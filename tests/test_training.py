@@ -206,12 +206,15 @@ def test_phase2_with_the_teachers_distribution_learns(pipeline, tmp_path, source
     """`loss="kl"`: the teacher scores the sequences (its own samples, or corpus windows) and
     the LoRA learns its whole distribution there; the loss falls over a short run."""
     tmp, data = pipeline["tmp"], pipeline["data"]
-    cfg = dataclasses.replace(pipeline["sft_cfg"], loss="kl", samples=128, steps=40, source=source)
+    # 80 steps: over 40 the ratio below ranged 0.67-0.81 with what else ran before in the
+    # process (the same code and seeds; the rounding moved), and 0.8 failed once; over 80 it
+    # was 0.54-0.65 in the same runs
+    cfg = dataclasses.replace(pipeline["sft_cfg"], loss="kl", samples=128, steps=80, source=source)
     out = tmp_path / "kl.safetensors"
     train_sft(tmp / "e0", tmp / "teacher", data, out, cfg, progress=False)
     run = tmp_path / "kl.safetensors.run"
     losses = [e["loss"] for e in json.loads((run / "log.json").read_text())["entries"]]
-    assert len(losses) == 40
+    assert len(losses) == 80
     assert sum(losses[-10:]) < 0.8 * sum(losses[:10])
     meta = lora.read(out).metadata
     assert (meta["loss"], meta["source"]) == ("kl", source)
