@@ -88,23 +88,14 @@ class RowsForward(Forward):
     and reads what it would alone)."""
 
     def __init__(self, rows: list[Forward]):
+        # the rows are one engine's requests: the same layers are predicted or restricted in
+        # every row, or in none
+        assert all(f.predicted.keys() == rows[0].predicted.keys() for f in rows)
+        assert all(f.allowed.keys() == rows[0].allowed.keys() for f in rows)
         super().__init__(RowCaches([f.cache for f in rows]))
         self.rows = rows
-        for layer in {k for f in rows for k in f.allowed}:
-            e = next(f.allowed[layer] for f in rows if layer in f.allowed).shape[-1]
-            self.allowed[layer] = torch.cat(
-                [f.allowed.get(layer, torch.ones(1, e, dtype=torch.bool)) for f in rows]
-            )
-
-    def router_logits(self, layer: int, h: torch.Tensor, router: nn.Module) -> torch.Tensor:
-        preds = [f.predicted.get(layer) for f in self.rows]
-        if all(p is not None for p in preds):
-            return torch.cat(preds)
-        logits = router(h)
-        for i, p in enumerate(preds):
-            if p is not None:
-                logits[i : i + 1] = p
-        return logits
+        self.predicted = {k: torch.cat([f.predicted[k] for f in rows]) for k in rows[0].predicted}
+        self.allowed = {k: torch.cat([f.allowed[k] for f in rows]) for k in rows[0].allowed}
 
     def routed(
         self, layer: int, h: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor
