@@ -11,9 +11,10 @@ import sys
 import pytest
 import torch
 
-from edge0 import builtin, native
+from edge0 import builtin, int4_layout, native, quant
 from edge0.convert import convert
 from edge0.engine import EngineOptions, load_engine
+from edge0.store.extents import ExpertTensors
 from edge0.streaming.executors import FusedExperts, decode_experts, torch_experts
 from edge0.synth import Shape, synth
 
@@ -38,6 +39,77 @@ def test_engine_decodes_bit_identically_with_either_kernel(no_prerouter):
     """The built-in model: float attention projections under LoRA, experts int4."""
     torch.manual_seed(0)
     assert torch.equal(greedy_logits("fused", no_prerouter), greedy_logits("torch", no_prerouter))
+
+
+def int4_weights(n: int, k: int, gen: torch.Generator, layout=None, tiny_zero=False):
+    """Random codes and kernel pairs [K/64, N, 2] for an [n, k] int4 matrix, packed as
+    `layout` (the host's by default). `tiny_zero`: zeros ~2^-10 of their scale, so a weight
+    needs ~21 bits and its product with an activation rounds."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, k // 64, generator=gen) * 0.01 + 0.01
+    zero = scale * torch.randn(n, k // 64, generator=gen) * (2**-10 if tiny_zero else 4.0)
+    pairs = torch.stack([scale.t(), zero.t()], dim=-1).bfloat16().contiguous()
+    return q, (layout or int4_layout.host_layout()).pack(q), pairs
+
+
+@pytest.mark.parametrize("tiny_zero", [False, True], ids=["zero", "tiny-zero"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int4_kernel_computes_torchs_bit_for_bit(dtype, tiny_zero):
+    """edge0's int4 kernel, on the path of torch's CPU capability, against
+    aten._weight_int4pack_mm_for_cpu: a 32-row tail block (96 rows: on AVX-512 one block of
+    64 and a tail of 32), one group, odd group counts, 1 and 3 rows, fp32 and bf16 rows."""
+    gen = torch.Generator().manual_seed(0)
+    op = native.int4_gemv()
+    layout, isa = native.kernel_args()
+    for n, k in [(96, 64), (256, 512), (160, 192), (1024, 1024)]:
+        _, packed, pairs = int4_weights(n, k, gen, tiny_zero=tiny_zero)
+        for rows in (1, 3):
+            x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+            ref = quant.int4_linear(x, packed, pairs).to(dtype)
+            got = op(x, packed, pairs, layout, isa)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            assert torch.equal(got, ref), (n, k, rows)
+
+
+def test_the_int4_kernel_reads_every_arrangement():
+    """The same codes packed in each known arrangement (torch picks one per CPU capability)
+    give the same result on each path this CPU runs: the paths do not assume their own."""
+    gen = torch.Generator().manual_seed(1)
+    op = native.int4_gemv()
+    _, isa = native.kernel_args()
+    q, packed, pairs = int4_weights(96, 128, gen)
+    x = torch.randn(2, 128, generator=gen)
+    want = op(x, packed, pairs, *native.kernel_args())
+    paths = [i for i in range(len(native.ISA_PATHS)) if torch.ops.edge0.int4_isa_supported(i)]
+    assert isa in paths
+    for layout in int4_layout.LAYOUTS.values():
+        for path in paths:
+            got = op(x, layout.pack(q), pairs, native.layout_code(layout), path)
+            # the paths mirror different capabilities' arithmetic, which bf16 rounding of
+            # exact products leaves equal on these weights
+            assert torch.equal(got, want), (layout.name, native.ISA_PATHS[path])
+    with pytest.raises(RuntimeError, match="isa is 0 \\(portable\\), 1 \\(AVX2\\) or 2"):
+        op(x, packed, pairs, native.layout_code(int4_layout.host_layout()), 3)
+    with pytest.raises(RuntimeError, match="do not take 64 inputs"):
+        op(x[:, :64], packed, pairs, *native.kernel_args())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_experts_are_the_reference_bit_for_bit(dtype):
+    """A token's 8 experts in one call of the native op against torch_experts (one expert
+    at a time in PyTorch ops), for each of three tokens."""
+    gen = torch.Generator().manual_seed(2)
+    d, width = 256, 128
+    tensors = {}
+    for e in range(16):
+        w13 = int4_weights(2 * width, d, gen)
+        w2 = int4_weights(d, width, gen)
+        tensors[e] = ExpertTensors(w13[1], w13[2], w2[1], w2[2])
+    x = torch.randn(3, d, generator=gen).to(dtype)
+    indices = torch.stack([torch.randperm(16, generator=gen)[:8] for _ in range(3)])
+    fused = decode_experts("fused")
+    assert isinstance(fused, FusedExperts)
+    assert torch.equal(fused(x, indices, tensors), torch_experts(x, indices, tensors))
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +232,11 @@ def test_the_op_compiles_from_source_into_an_empty_cache(tmp_path):
     # loaded in a fresh process (this one has the cached build's op registered already)
     check = (
         "import sys, torch; torch.ops.load_library(sys.argv[1]); "
-        "print(torch.ops.edge0.swiglu_int4_experts.default._schema)"
+        "print(torch.ops.edge0.swiglu_int4_gemv.default._schema)"
     )
     out = subprocess.run([sys.executable, "-c", check, str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "swiglu_int4_experts(Tensor x, Tensor[] w13" in out.stdout
+    assert "swiglu_int4_gemv(Tensor x, Tensor[] w13" in out.stdout
 
 
 def test_the_cli_names_the_reason_when_fused_cannot_be_built(tmp_path):

@@ -1,13 +1,18 @@
 """Native kernels, compiled from source on the machine that runs them.
 
-Two ops (decode_ops.cpp), each running the ATen ops of a pure-PyTorch path in the same order
-in one call, so each computes bit-identically to that path and ATen still picks the int4
-kernel for the CPU at hand; what they remove is the Python and dispatch between the ops:
+Each op computes what a pure-PyTorch path computes, bit for bit, in one call; what they
+remove is the Python, the dispatch and the dtype round trips between that path's ops:
 
-  torch.ops.edge0.swiglu_int4_experts  a decode token through its K int4 experts (~16 ops
-                                       per expert)
-  torch.ops.edge0.attention_decode     a decode token of one sequence through a GQA
-                                       attention layer (native/attention.py says which)
+  torch.ops.edge0.swiglu_int4_gemv  a decode token through its K int4 experts in one parallel
+                                    region (int4_gemv.cpp; the reference: ~16 ops per expert)
+  torch.ops.edge0.int4_gemv         one int4 projection of a few rows
+  torch.ops.edge0.attention_decode  a decode token of one sequence through a GQA attention
+                                    layer (decode_ops.cpp; native/attention.py says which)
+
+The int4 products are edge0's own kernels (AVX-512, AVX2, portable), each doing what torch's
+int4 kernel does for the CPU capability of that name, operation for operation; `kernel_args`
+gives the ops the path of torch's capability here (ATEN_CPU_CAPABILITY selects both) and the
+arrangement the weights are packed in.
 
 The library is compiled with the system's C++ compiler against the installed torch's
 headers, in a child process, the first time it is needed (`make` set-up does it: `python -m
@@ -18,6 +23,7 @@ the pure-PyTorch path (EngineOptions.expert_kernel).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -29,12 +35,21 @@ from pathlib import Path
 
 import torch
 
+from edge0 import int4_layout
+from edge0.int4_layout import Int4Layout
 from edge0.store.relayout import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_ops.cpp")
-CFLAGS = ["-O2"]  # no -march: the code is ISA-neutral, ATen dispatches the kernels
+SOURCES = [Path(__file__).with_name(n) for n in ("decode_ops.cpp", "int4_gemv.cpp")]
+HEADERS = [Path(__file__).with_name("int4_gemv.h")]
+ISA_PATHS = ("portable", "avx2", "avx512")  # int4_gemv.cpp's paths, by their code
+# No -march: int4_gemv.cpp marks its AVX2 and AVX-512 functions with target attributes and
+# picks one at run time; no contraction, so the portable path's arithmetic is as written.
+# OpenMP: at::parallel_for is inline, and shares torch's threads only when compiled with it
+# (the loaded libgomp.so.1 is torch's own, found by its soname).
+CFLAGS = ["-O2", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 class NativeUnavailable(RuntimeError):
@@ -43,7 +58,8 @@ class NativeUnavailable(RuntimeError):
 
 def library_path(cache_dir: Path | None = None) -> Path:
     """Where this torch's build of this source lives (its name carries the source's hash)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    text = b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
+    digest = hashlib.sha256(text).hexdigest()[:12]
     name = f"edge0_decode_{digest}"
     root = (cache_dir or default_cache_dir()) / "native" / f"torch-{torch.__version__}"
     return root / name / f"{name}.so"
@@ -92,7 +108,7 @@ def build(cache_dir: Path | None = None) -> Path:
 
 
 def compile_into(path: Path) -> None:
-    """The child process's half of build(): compile SOURCE into `path`.
+    """The child process's half of build(): compile SOURCES into `path`.
 
     The library is linked in a work folder and renamed into place, so a process that finds
     `path` never loads a half-written file.
@@ -103,8 +119,9 @@ def compile_into(path: Path) -> None:
     work.mkdir(exist_ok=True)
     built = cpp_extension.load(
         name=path.stem,
-        sources=[str(SOURCE)],
+        sources=[str(src) for src in SOURCES],
         extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
         build_directory=str(work),
         is_python_module=False,
     )
@@ -112,7 +129,7 @@ def compile_into(path: Path) -> None:
 
 
 def _registered() -> bool:
-    return hasattr(torch.ops.edge0, "swiglu_int4_experts")
+    return hasattr(torch.ops.edge0, "swiglu_int4_gemv")
 
 
 def _load(cache_dir: Path | None) -> None:
@@ -123,10 +140,43 @@ def _load(cache_dir: Path | None) -> None:
         torch.ops.load_library(str(build(cache_dir)))
 
 
-def swiglu_int4_experts(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
-    """The op, built and loaded if need be: (x [1, D], w13s, p13s, w2s, p2s) -> [K, D]."""
+def kernel_isa() -> int:
+    """The int4 path (index into ISA_PATHS) that mirrors torch's int4 kernel in this process:
+    the one of torch's CPU capability. Other capabilities (DEFAULT, or an ARM one) take the
+    portable path, which mirrors torch's non-vectorised loop (NEON's on aarch64)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return 2 if cap.startswith("AVX512") else 1 if cap == "AVX2" else 0
+
+
+def layout_code(layout: Int4Layout) -> list[int]:
+    """An arrangement as the ops take it: [block, interleaved, tail block, tail interleaved]."""
+    tail = layout.tail
+    return [
+        layout.block,
+        int(layout.interleaved),
+        tail.block if tail else 0,
+        int(tail.interleaved) if tail else 0,
+    ]
+
+
+@functools.cache
+def kernel_args() -> tuple[list[int], int]:
+    """(layout, isa) for the int4 ops here: the weights' arrangement (the host's, which the
+    loader packs them in) and the path of torch's capability."""
+    return layout_code(int4_layout.host_layout()), kernel_isa()
+
+
+def swiglu_int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
+    """The op, built and loaded if need be:
+    (x [1, D], w13s, p13s, w2s, p2s, layout, isa) -> [K, D] in x's dtype."""
     _load(cache_dir)
-    return torch.ops.edge0.swiglu_int4_experts
+    return torch.ops.edge0.swiglu_int4_gemv
+
+
+def int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
+    """The op, built and loaded if need be: (x [..., K], packed, pairs, layout, isa) -> [..., N]."""
+    _load(cache_dir)
+    return torch.ops.edge0.int4_gemv
 
 
 def attention_decode(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from edge0 import native
 from edge0.lora import LoraLinear
 from edge0.models.int4 import Int4Linear
 from edge0.models.layers import Attention, KVCache, RMSNorm
@@ -60,6 +61,7 @@ class NativeAttention:
 
     def __init__(self, attn: Attention, op: Callable[..., torch.Tensor]):
         self.attn, self.op = attn, op
+        self.layout, self.isa = native.kernel_args()
         self.eps = attn.q_norm.eps if attn.qk_norm == "head" else 0.0
 
     def __call__(
@@ -90,6 +92,8 @@ class NativeAttention:
             a.kv_heads,
             a.head_dim,
             a.head_dim**-0.5,
+            self.layout,
+            self.isa,
         )
         cache.length[a.layer] = n + 1
         return out

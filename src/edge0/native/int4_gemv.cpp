@@ -1,0 +1,375 @@
+// edge0's own int4 kernels for decode: a token's activations (a few rows) against int4 affine
+// group-64 weights, read in place from the arrangement torch's packer chose for this host
+// (int4_layout.py), with an AVX-512, an AVX2 and a portable path.
+//
+// Each path computes what torch's own int4 kernel (aten._weight_int4pack_mm_for_cpu,
+// torch 2.13) computes for the CPU capability of the same name, operation for operation, so
+// the results are bit-identical to the pure-PyTorch path that calls it; the caller picks the
+// path of torch's capability (native/__init__.py: kernel_isa). For output row r, with x
+// rounded to bf16, (s, z) the row's kernel pair of the group of k and c from 0:
+//   AVX-512   for k in order: c = fma(x[k], fma(q - 8, s, z), c)
+//   AVX2      z' = fma(s, -8, z) per group; for k in order: c = fma(x[k], fma(q, s, z'), c)
+//   portable  for k in order: c = c + x[k] * ((q - 8) * s + z), no fused operations
+//             (on aarch64 torch's NEON loop: c = fma(w, x[k], c) with w as above)
+// and y[r] = c rounded to bf16. What the paths save over torch's kernel is not arithmetic but
+// everything around it: one call and one parallel region for a token's K experts instead of
+// ~16 ATen ops per expert, no dtype round trips, activations converted once.
+//
+// edge0::swiglu_int4_gemv: a decode token's K experts, down(silu(gate x) * up x), with the
+// reference's rounding points and its silu (ATen's, over all experts at once).
+// edge0::int4_gemv: one projection, y = x W^T, for a few rows of x.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "int4_gemv.h"
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define EDGE0_X86 1
+
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 64;  // quant.GROUP
+// Software prefetch distance into a block's bytes. Experts come from a pool far larger than
+// the caches, and the hardware prefetcher alone leaves the kernel waiting: 4 KiB ahead made a
+// layer's 8 experts 1.6x faster on a 2.4 GiB pool (docs/kernels.md).
+constexpr int64_t kPrefetch = 4096;
+
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// One run of like blocks of an arrangement: rows [first, first + rows), blocks of `block`
+// rows, each stored as [K][block / 2] bytes; within a byte column, lane j of the low nibbles
+// and lane j of the high ones are rows (j, j + block/2) split, or (2j, 2j + 1) interleaved.
+struct Segment {
+  int64_t first, rows, block;
+  bool interleaved;
+};
+
+std::vector<Segment> segments(int64_t n, at::IntArrayRef layout) {
+  TORCH_CHECK(layout.size() == 4, "layout is [block, interleaved, tail block, tail interleaved]");
+  const int64_t block = layout[0], tail = layout[2];
+  TORCH_CHECK(block == 32 || block == 64, "int4 blocks of 32 or 64 rows, got ", block);
+  std::vector<Segment> out;
+  const int64_t full = n / block * block;
+  if (full) out.push_back({0, full, block, layout[1] != 0});
+  if (n > full) {
+    TORCH_CHECK(tail == 32 && (n - full) % 32 == 0, n, " rows do not fill blocks of ", block);
+    out.push_back({full, n - full, 32, layout[3] != 0});
+  }
+  return out;
+}
+
+// The output row of lane l (0 <= l < block): lanes [0, block/2) are the low nibbles.
+inline int64_t lane_row(int64_t lane, int64_t block, bool interleaved) {
+  const int64_t half = block / 2;
+  if (!interleaved) return lane;
+  return lane < half ? 2 * lane : 2 * (lane - half) + 1;
+}
+
+inline float bf16_round(float v) {  // round to nearest even, as torch's conversion (NaN kept)
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return v;
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+inline float bf16_bits(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+// One int4 matrix as the kernel reads it.
+struct Matrix {
+  const uint8_t* packed;  // [N, K/2]
+  const uint32_t* pairs;  // [G, N]: low half scale, high half zero (bf16 each)
+  int64_t n, k;
+};
+
+// Block kernels: `acc` gets the block's rows in lane order.
+
+void block_portable(const Matrix& m, const Segment& s, int64_t b0, const float* x, float* acc) {
+  const int64_t half = s.block / 2;
+  const uint8_t* base = m.packed + b0 * (m.k / 2);
+  float scale[64], zero[64];
+  for (int64_t l = 0; l < s.block; ++l) acc[l] = 0.f;
+  for (int64_t k = 0; k < m.k; ++k) {
+    if (k % kGroup == 0) {
+      const uint32_t* pr = m.pairs + (k / kGroup) * m.n + b0;
+      for (int64_t l = 0; l < s.block; ++l) {
+        const uint32_t p = pr[lane_row(l, s.block, s.interleaved)];
+        scale[l] = bf16_bits(p & 0xffff);
+        zero[l] = bf16_bits(p >> 16);
+      }
+    }
+    const uint8_t* col = base + k * half;
+    if ((k * half) % 64 == 0) __builtin_prefetch(col + kPrefetch);
+    for (int64_t j = 0; j < half; ++j) {  // lanes j (low nibbles) and half + j (high ones)
+      const float w0 = static_cast<float>((col[j] & 15) - 8) * scale[j] + zero[j];
+      const float w1 = static_cast<float>((col[j] >> 4) - 8) * scale[half + j] + zero[half + j];
+#if defined(__aarch64__)
+      acc[j] = std::fma(w0, x[k], acc[j]);
+      acc[half + j] = std::fma(w1, x[k], acc[half + j]);
+#else
+      acc[j] = acc[j] + x[k] * w0;
+      acc[half + j] = acc[half + j] + x[k] * w1;
+#endif
+    }
+  }
+}
+
+#ifdef EDGE0_X86
+
+// V vectors of 8 lanes: V = block / 8; vector v reads 8 bytes at 8 * (v % (V/2)) of a byte
+// column, low nibbles for v < V/2, high ones after.
+template <int V>
+__attribute__((target("avx2,fma"))) void block_avx2(const Matrix& m, const Segment& s,
+                                                    int64_t b0, const float* x, float* acc) {
+  constexpr int H = V / 2;
+  const int64_t half = s.block / 2;
+  const uint8_t* base = m.packed + b0 * (m.k / 2);
+  const __m256i low = _mm256_set1_epi32(15);
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256 minus8 = _mm256_set1_ps(-8.f);
+  __m256 c[V], scale[V], zero[V];
+  for (int v = 0; v < V; ++v) c[v] = _mm256_setzero_ps();
+  alignas(32) uint32_t lanes[8];
+  for (int64_t g = 0; g < m.k / kGroup; ++g) {
+    const uint32_t* pr = m.pairs + g * m.n + b0;
+    for (int v = 0; v < V; ++v) {
+      __m256i p;
+      if (s.interleaved) {
+        for (int i = 0; i < 8; ++i) lanes[i] = pr[lane_row(8 * v + i, s.block, true)];
+        p = _mm256_load_si256((const __m256i*)lanes);
+      } else {
+        p = _mm256_loadu_si256((const __m256i*)(pr + 8 * v));
+      }
+      scale[v] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+      zero[v] = _mm256_fmadd_ps(scale[v], minus8,
+                                _mm256_castsi256_ps(_mm256_and_si256(p, hi_mask)));
+    }
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      const uint8_t* col = base + k * half;
+      if ((k * half) % 64 == 0) _mm_prefetch((const char*)(col + kPrefetch), _MM_HINT_T0);
+      const __m256 xk = _mm256_set1_ps(x[k]);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) {
+        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(col + 8 * (v % H))));
+        b = v < H ? _mm256_and_si256(b, low) : _mm256_srli_epi32(b, 4);
+        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), scale[v], zero[v]);
+        c[v] = _mm256_fmadd_ps(xk, w, c[v]);
+      }
+    }
+  }
+  for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + 8 * v, c[v]);
+}
+
+// V vectors of 16 lanes; vector v reads 16 bytes at 16 * (v % (V/2)) of a byte column.
+// The codes become q - 8 by a permute from the table -8..7 indexed by their low 4 bits.
+template <int V>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void block_avx512(
+    const Matrix& m, const Segment& s, int64_t b0, const float* x, float* acc) {
+  constexpr int H = V / 2;
+  const int64_t half = s.block / 2;
+  const uint8_t* base = m.packed + b0 * (m.k / 2);
+  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512 c[V], scale[V], zero[V];
+  for (int v = 0; v < V; ++v) c[v] = _mm512_setzero_ps();
+  alignas(64) uint32_t lanes[16];
+  for (int64_t g = 0; g < m.k / kGroup; ++g) {
+    const uint32_t* pr = m.pairs + g * m.n + b0;
+    for (int v = 0; v < V; ++v) {
+      __m512i p;
+      if (s.interleaved) {
+        for (int i = 0; i < 16; ++i) lanes[i] = pr[lane_row(16 * v + i, s.block, true)];
+        p = _mm512_load_si512(lanes);
+      } else {
+        p = _mm512_loadu_si512(pr + 16 * v);
+      }
+      scale[v] = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+      zero[v] = _mm512_castsi512_ps(_mm512_and_si512(p, hi_mask));
+    }
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      const uint8_t* col = base + k * half;
+      if ((k * half) % 64 == 0) _mm_prefetch((const char*)(col + kPrefetch), _MM_HINT_T0);
+      const __m512 xk = _mm512_set1_ps(x[k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) {
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(col + 16 * (v % H))));
+        if (v >= H) b = _mm512_srli_epi32(b, 4);
+        const __m512 w = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, table), scale[v], zero[v]);
+        c[v] = _mm512_fmadd_ps(xk, w, c[v]);
+      }
+    }
+  }
+  for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, c[v]);
+}
+
+#endif  // EDGE0_X86
+
+bool supported(Isa isa) {
+#ifdef EDGE0_X86
+  if (isa == kAvx512)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (isa == kAvx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == kPortable;
+}
+
+// One block of rows: y[row] for the block's rows, rounded to bf16.
+void block(Isa isa, const Matrix& m, const Segment& s, int64_t b0, const float* x, float* y) {
+  alignas(64) float acc[64];
+#ifdef EDGE0_X86
+  if (isa == kAvx512) {
+    s.block == 64 ? block_avx512<4>(m, s, b0, x, acc) : block_avx512<2>(m, s, b0, x, acc);
+  } else if (isa == kAvx2) {
+    s.block == 64 ? block_avx2<8>(m, s, b0, x, acc) : block_avx2<4>(m, s, b0, x, acc);
+  } else {
+    block_portable(m, s, b0, x, acc);
+  }
+#else
+  block_portable(m, s, b0, x, acc);
+#endif
+  for (int64_t l = 0; l < s.block; ++l)
+    y[b0 + lane_row(l, s.block, s.interleaved)] = bf16_round(acc[l]);
+}
+
+// One matrix against one row of (bf16-rounded) activations, into y.
+struct Job {
+  Matrix m;
+  std::vector<Segment> segs;
+  const float* x;
+  float* y;
+};
+
+// Every block of every job, in one parallel region (torch's intra-op threads).
+void run(Isa isa, const std::vector<Job>& jobs) {
+  struct Unit {
+    size_t job, segment;
+    int64_t b0;
+  };
+  std::vector<Unit> units;
+  for (size_t j = 0; j < jobs.size(); ++j)
+    for (size_t i = 0; i < jobs[j].segs.size(); ++i) {
+      const Segment& sg = jobs[j].segs[i];
+      for (int64_t b = sg.first; b < sg.first + sg.rows; b += sg.block) units.push_back({j, i, b});
+    }
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const Job& j = jobs[units[u].job];
+      block(isa, j.m, j.segs[units[u].segment], units[u].b0, j.x, j.y);
+    }
+  });
+}
+
+// Float rows rounded to bf16, as .to(torch.bfloat16) rounds them.
+std::vector<float> rounded(const at::Tensor& x) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* p = xf.data_ptr<float>();
+  std::vector<float> out(xf.numel());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_round(p[i]);
+  return out;
+}
+
+Matrix matrix(const at::Tensor& packed, const at::Tensor& pairs, int64_t k) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed int4 weights must be contiguous uint8 [N, K/2]");
+  const int64_t n = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == k && k % kGroup == 0, "weights [", n, ", ", packed.size(1),
+              "] do not take ", k, " inputs");
+  TORCH_CHECK(pairs.is_contiguous() && pairs.element_size() * pairs.numel() == (k / kGroup) * n * 4,
+              "pairs must be contiguous bf16 [K/64, N, 2]");
+  return {packed.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(pairs.data_ptr()), n, k};
+}
+
+Isa checked(int64_t isa) {
+  TORCH_CHECK(isa >= kPortable && isa <= kAvx512, "isa is 0 (portable), 1 (AVX2) or 2 (AVX-512)");
+  const Isa i = static_cast<Isa>(isa);
+  TORCH_CHECK(supported(i), "this CPU cannot run the int4 kernel's path ", isa);
+  return i;
+}
+
+// The reference, per expert e (streaming/executors.py swiglu_int4):
+//   gate, up = int4_linear(x, w13[e], p13[e]).float().chunk(2)   (x to bf16, result bf16)
+//   y[e] = int4_linear(silu(gate) * up, w2[e], p2[e]).float()    (the product to bf16)
+at::Tensor swiglu_int4_gemv(const at::Tensor& x, at::TensorList w13, at::TensorList p13,
+                            at::TensorList w2, at::TensorList p2, at::IntArrayRef layout,
+                            int64_t isa_code) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be [1, D], got ", x.sizes());
+  const Isa isa = checked(isa_code);
+  const int64_t n_exp = static_cast<int64_t>(w13.size()), d = x.size(1);
+  TORCH_CHECK(p13.size() == w13.size() && w2.size() == w13.size() && p2.size() == w13.size(),
+              "one w13, p13, w2 and p2 per expert");
+  const std::vector<float> xb = rounded(x);
+  const int64_t width = n_exp ? w13[0].size(0) / 2 : 0;
+  at::Tensor gate_up = at::empty({n_exp, 2 * width}, x.options().dtype(at::kFloat));
+  std::vector<Job> up(n_exp), down(n_exp);
+  for (int64_t e = 0; e < n_exp; ++e) {
+    const Matrix m = matrix(w13[e], p13[e], d);
+    TORCH_CHECK(m.n == 2 * width, "the experts of one call share their width");
+    up[e] = {m, segments(m.n, layout), xb.data(), gate_up.data_ptr<float>() + e * 2 * width};
+  }
+  run(isa, up);
+  const auto halves = gate_up.chunk(2, -1);
+  const std::vector<float> h = rounded(at::silu(halves[0]) * halves[1]);  // [K, I]
+  at::Tensor out = at::empty({n_exp, d}, x.options().dtype(at::kFloat));
+  for (int64_t e = 0; e < n_exp; ++e) {
+    const Matrix m = matrix(w2[e], p2[e], width);
+    TORCH_CHECK(m.n == d, "w2 must give ", d, " outputs");
+    down[e] = {m, segments(d, layout), h.data() + e * width, out.data_ptr<float>() + e * d};
+  }
+  run(isa, down);
+  return out.to(x.scalar_type());
+}
+
+bool isa_supported(int64_t isa) {
+  return isa >= kPortable && isa <= kAvx512 && supported(static_cast<Isa>(isa));
+}
+
+}  // namespace
+
+namespace edge0 {
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
+                     at::IntArrayRef layout, int64_t isa_code) {
+  const Isa isa = checked(isa_code);
+  const int64_t k = x.size(-1), rows = k ? x.numel() / k : 0;
+  const Matrix m = matrix(packed, pairs, k);
+  const std::vector<float> xb = rounded(x);
+  at::Tensor out = at::empty({rows, m.n}, x.options().dtype(at::kFloat));
+  std::vector<Job> jobs(rows);
+  const auto segs = segments(m.n, layout);
+  for (int64_t r = 0; r < rows; ++r)
+    jobs[r] = {m, segs, xb.data() + r * k, out.data_ptr<float>() + r * m.n};
+  run(isa, jobs);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(m.n);
+  return out.view(shape).to(x.scalar_type());
+}
+
+}  // namespace edge0
+
+TORCH_LIBRARY_FRAGMENT(edge0, m) {
+  m.def(
+      "swiglu_int4_gemv(Tensor x, Tensor[] w13, Tensor[] p13, Tensor[] w2, Tensor[] p2, "
+      "int[] layout, int isa) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor pairs, int[] layout, int isa) -> Tensor");
+  m.def("int4_isa_supported(int isa) -> bool", &isa_supported);
+}
+
+TORCH_LIBRARY_IMPL(edge0, CPU, m) {
+  m.impl("swiglu_int4_gemv", &swiglu_int4_gemv);
+  m.impl("int4_gemv", &edge0::int4_gemv);
+}

@@ -1,0 +1,15 @@
+// edge0::int4_gemv (int4_gemv.cpp), for the other native ops.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace edge0 {
+
+// y = x W^T as aten._weight_int4pack_mm_for_cpu(x.to(bf16), packed, 64, pairs).to(x.dtype)
+// computes it, bit for bit, for each row of x [..., K] -> [..., N]. `layout`: the packed
+// arrangement [block, interleaved, tail block, tail interleaved]; `isa`: 0 portable, 1 AVX2,
+// 2 AVX-512, the path of torch's CPU capability.
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
+                     at::IntArrayRef layout, int64_t isa);
+
+}  // namespace edge0
