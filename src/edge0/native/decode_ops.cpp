@@ -14,28 +14,40 @@
 
 namespace {
 
-// One projection as models/int4.py Int4Linear, nn.Linear and lora.py LoraLinear compute it.
-// `p`: [packed, pairs] (int4) or [weight] (float), then [lora_A, lora_B] if it has an adapter,
-// whose output is scaled by `lora_scale`.
-at::Tensor project(const at::Tensor& x, at::TensorList p, double lora_scale,
-                   at::IntArrayRef layout, int64_t isa) {
-  at::Tensor y;
-  size_t used;
-  if (p[0].scalar_type() == at::kFloat || p[0].scalar_type() == at::kBFloat16 ||
-      p[0].scalar_type() == at::kHalf) {
-    y = at::linear(x, p[0]);
-    used = 1;
-  } else {
-    y = edge0::int4_gemv(x, p[0], p[1], layout, isa);
-    used = 2;
+// Projections as models/int4.py Int4Linear, nn.Linear and lora.py LoraLinear compute them.
+// Each `p`: [packed, pairs] (int4) or [weight] (float), then [lora_A, lora_B] if it has an
+// adapter, whose output is scaled by its `lora_scale`. The int4 ones take one parallel region.
+bool dense(const at::Tensor& w) {
+  const auto dtype = w.scalar_type();
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+std::vector<at::Tensor> project(const at::Tensor& x, const std::vector<at::TensorList>& ps,
+                                at::ArrayRef<double> lora_scale, at::IntArrayRef layout,
+                                int64_t isa) {
+  std::vector<at::Tensor> ys(ps.size()), packed, pairs;
+  std::vector<size_t> int4;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (dense(ps[i][0])) {
+      ys[i] = at::linear(x, ps[i][0]);
+    } else {
+      int4.push_back(i);
+      packed.push_back(ps[i][0]);
+      pairs.push_back(ps[i][1]);
+    }
   }
-  if (p.size() > used) {
-    const at::Tensor& a = p[used];
-    const at::Tensor& b = p[used + 1];
-    const at::Tensor delta = at::matmul(at::matmul(x.to(a.scalar_type()), a.t()), b.t());
-    y = y + delta.to(y.scalar_type()).mul(lora_scale);
+  const auto outs = edge0::int4_gemv_each(x, packed, pairs, layout, isa);
+  for (size_t j = 0; j < int4.size(); ++j) ys[int4[j]] = outs[j];
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const size_t used = dense(ps[i][0]) ? 1 : 2;
+    if (ps[i].size() > used) {
+      const at::Tensor& a = ps[i][used];
+      const at::Tensor& b = ps[i][used + 1];
+      const at::Tensor delta = at::matmul(at::matmul(x.to(a.scalar_type()), a.t()), b.t());
+      ys[i] = ys[i] + delta.to(ys[i].scalar_type()).mul(lora_scale[i]);
+    }
   }
-  return y;
+  return ys;
 }
 
 // layers.py RMSNorm
@@ -68,9 +80,10 @@ at::Tensor attention_decode(const at::Tensor& x, at::TensorList q_proj, at::Tens
                             int64_t isa) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "x must be [1, 1, D]");
   TORCH_CHECK(lora_scale.size() == 4, "one LoRA scale per projection");
-  at::Tensor q = project(x, q_proj, lora_scale[0], layout, isa).view({1, 1, heads, head_dim});
-  at::Tensor k = project(x, k_proj, lora_scale[1], layout, isa).view({1, 1, kv_heads, head_dim});
-  at::Tensor v = project(x, v_proj, lora_scale[2], layout, isa).view({1, 1, kv_heads, head_dim});
+  const auto qkv = project(x, {q_proj, k_proj, v_proj}, lora_scale.slice(0, 3), layout, isa);
+  at::Tensor q = qkv[0].view({1, 1, heads, head_dim});
+  at::Tensor k = qkv[1].view({1, 1, kv_heads, head_dim});
+  at::Tensor v = qkv[2].view({1, 1, kv_heads, head_dim});
   if (q_norm.has_value()) {
     q = rms_norm(q, *q_norm, eps);
     k = rms_norm(k, *k_norm, eps);
@@ -83,8 +96,8 @@ at::Tensor attention_decode(const at::Tensor& x, at::TensorList q_proj, at::Tens
   const at::Tensor out = at::scaled_dot_product_attention(
       q, k_cache.narrow(2, 0, n + 1), v_cache.narrow(2, 0, n + 1), std::nullopt, 0.0, false,
       scale, kv_heads != heads);
-  return project(out.transpose(1, 2).reshape({1, 1, -1}), o_proj, lora_scale[3], layout,
-                 isa);
+  return project(out.transpose(1, 2).reshape({1, 1, -1}), {o_proj}, lora_scale.slice(3), layout,
+                 isa)[0];
 }
 
 }  // namespace

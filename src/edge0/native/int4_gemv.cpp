@@ -342,21 +342,34 @@ bool isa_supported(int64_t isa) {
 
 namespace edge0 {
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
-                     at::IntArrayRef layout, int64_t isa_code) {
+std::vector<at::Tensor> int4_gemv_each(const at::Tensor& x, at::TensorList packed,
+                                       at::TensorList pairs, at::IntArrayRef layout,
+                                       int64_t isa_code) {
   const Isa isa = checked(isa_code);
+  TORCH_CHECK(packed.size() == pairs.size(), "one pairs tensor per packed matrix");
   const int64_t k = x.size(-1), rows = k ? x.numel() / k : 0;
-  const Matrix m = matrix(packed, pairs, k);
   const std::vector<float> xb = rounded(x);
-  at::Tensor out = at::empty({rows, m.n}, x.options().dtype(at::kFloat));
-  std::vector<Job> jobs(rows);
-  const auto segs = segments(m.n, layout);
-  for (int64_t r = 0; r < rows; ++r)
-    jobs[r] = {m, segs, xb.data() + r * k, out.data_ptr<float>() + r * m.n};
+  std::vector<at::Tensor> outs;
+  std::vector<Job> jobs;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const Matrix m = matrix(packed[i], pairs[i], k);
+    outs.push_back(at::empty({rows, m.n}, x.options().dtype(at::kFloat)));
+    const auto segs = segments(m.n, layout);
+    for (int64_t r = 0; r < rows; ++r)
+      jobs.push_back({m, segs, xb.data() + r * k, outs.back().data_ptr<float>() + r * m.n});
+  }
   run(isa, jobs);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(m.n);
-  return out.view(shape).to(x.scalar_type());
+  for (at::Tensor& out : outs) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(out.size(1));
+    out = out.view(shape).to(x.scalar_type());
+  }
+  return outs;
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
+                     at::IntArrayRef layout, int64_t isa) {
+  return int4_gemv_each(x, {packed}, {pairs}, layout, isa)[0];
 }
 
 }  // namespace edge0

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace edge0 {
 
 // y = x W^T as aten._weight_int4pack_mm_for_cpu(x.to(bf16), packed, 64, pairs).to(x.dtype)
@@ -11,5 +13,9 @@ namespace edge0 {
 // 2 AVX-512, the path of torch's CPU capability.
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& pairs,
                      at::IntArrayRef layout, int64_t isa);
+
+// The same for several matrices that take the same x, in one parallel region.
+std::vector<at::Tensor> int4_gemv_each(const at::Tensor& x, at::TensorList packed,
+                                       at::TensorList pairs, at::IntArrayRef layout, int64_t isa);
 
 }  // namespace edge0
