@@ -1,8 +1,9 @@
 """A decode token's attention through the native op: which layers it serves, and the call.
 
 `torch.ops.edge0.attention_decode` (decode_ops.cpp) runs the ops of layers.py
-Attention.forward for one token of one sequence, in the same order, so it is bit-identical to
-it: its projections (Int4Linear, or a float nn.Linear, either under an enabled or disabled
+Attention.forward for one token of one sequence, in the same order (the int4 products with
+edge0's kernel, which computes torch's bit for bit), so it is bit-identical to it: its
+projections (Int4Linear, or a float nn.Linear, either under an enabled or disabled
 LoraLinear), q/k RMSNorm per head or none, full rotary, the token's key and value written
 into the sequence's cache, SDPA over the cache, the output projection. A layer with anything
 else (q/k norm over the whole projection or another norm, clipping, an output gate, a sliding
