@@ -335,9 +335,10 @@ def test_request_outputs_do_not_depend_on_earlier_requests(dirs):
 
 
 def test_a_head_failing_on_the_heads_thread_fails_the_step(dirs):
-    """Heads run on their own thread at decode; an error there must reach the caller of step,
-    not be lost with the thread, and the engine must serve the next request."""
-    engine = load_engine(dirs["pre"])
+    """Heads on their own thread at decode (asked for: on 2 cores they run inline); an error
+    there must reach the caller of step, not be lost with the thread, and the engine must
+    serve the next request."""
+    engine = load_engine(dirs["pre"], EngineOptions(heads_thread=True))
     try:
         ids = prompt(engine)
         req = engine.new_request()
@@ -425,3 +426,19 @@ def test_heads_training_order_is_a_permutation_read_a_few_chunks_at_a_time():
         assert len(torch.unique(order[start : start + chunk * group] // chunk)) <= group
     # and within a group the rows are shuffled, not in file order
     assert not torch.equal(order[: chunk * group].sort().values, order[: chunk * group])
+
+
+def test_heads_get_a_thread_where_a_core_is_free_or_they_are_large():
+    from edge0.machine import usable_cores
+    from edge0.prerouter.runtime import HEADS_THREAD_MIN_BYTES, threaded_heads
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(usable_cores())  # the intra-op threads take every core
+        assert not threaded_heads(HEADS_THREAD_MIN_BYTES - 1)
+        assert threaded_heads(HEADS_THREAD_MIN_BYTES)
+        if usable_cores() > 1:
+            torch.set_num_threads(usable_cores() - 1)  # one core left
+            assert threaded_heads(1)
+    finally:
+        torch.set_num_threads(threads)

@@ -209,7 +209,9 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
     )
     prerouter = None
     if heads is not None:
-        prerouter = PrerouterRuntime(heads, model, pool, opts.dtype, plan.stage_width)
+        prerouter = PrerouterRuntime(
+            heads, model, pool, opts.dtype, plan.stage_width, threaded=opts.heads_thread
+        )
     return Engine(path, opts, manifest, model, plan, pool, prerouter, lora_meta, prerouter_meta)
 
 

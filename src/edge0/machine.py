@@ -33,6 +33,13 @@ def cpu_model() -> str:
     return _cpuinfo().get("model name", "unknown")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def describe() -> dict:
     """CPU name, family and model, vector extensions, cores, torch version and the CPU
     capability its kernels use (ATEN_CPU_CAPABILITY, when set, is what chose it)."""

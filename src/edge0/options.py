@@ -43,6 +43,9 @@ class EngineOptions:
     stage_width: int | None = None
     prefill_chunk: int = 256  # prompt tokens per forward; others' steps run between chunks
     prerouter: Path | None = None  # heads file (default: MODEL_DIR/prerouter.safetensors if any)
+    # decode's heads on a thread of their own (True), on the compute thread (False), or on a
+    # thread only where a core is left beside the intra-op threads (None)
+    heads_thread: bool | None = None
     no_prerouter: bool = False  # gate-route every layer: the exact path, no heads, no slots
     lora: Path | None = None  # adapter file (default: MODEL_DIR/lora.safetensors if any)
     no_lora: bool = False  # serve the base projections only

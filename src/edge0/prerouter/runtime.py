@@ -11,10 +11,14 @@ After the logits, `flush` makes these the current predictions and staged sets. A
 each consumer routes by `predicted[consumer]`, so the experts it runs are exactly the
 experts staged for it.
 
-Heads run on a thread of their own (one intra-op thread), so the compute thread goes on with
-the next layers while a head evaluates and its reads are handed to the I/O threads; `flush`
-waits for them. An owner that is not itself a consumer (it reads its experts now) stages on
-the compute thread, so that the room it keeps for its own reads is decided before it takes it.
+Heads run on a thread of their own (one intra-op thread) where a core is left beside the
+intra-op threads, or where they are large (`threaded_heads`), so the compute thread goes on
+with the next layers while a head evaluates; `flush` waits for them. Small heads on a machine
+whose intra-op threads take every core run on the compute thread: a thread there only
+contends with them (the built-in model's decode step 6.0 ms with one, 5.2 ms without). Either
+way a head's reads go to the I/O threads and do not block. An owner that
+is not itself a consumer (it reads its experts now) stages on the compute thread, so that the
+room it keeps for its own reads is decided before it takes it.
 
 First decode token: the heads run on the last prompt position at the end of prefill (all in
 one batch, since prefill keeps the pool busy with whole-layer reads), so every generated
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edge0.machine import usable_cores
 from edge0.prerouter.head import Prerouter, StackedHeads, features
 from edge0.routing import topk_onehot
 from edge0.store.pool import Entry, ExpertPool
@@ -55,6 +60,20 @@ class PrerouterStats:
         return PrerouterStats(**{k: v - getattr(other, k) for k, v in vars(self).items()})
 
 
+# A head at least this large is evaluated on its own thread even when the intra-op threads
+# take every core: reading its weights then overlaps the compute thread's serial parts.
+HEADS_THREAD_MIN_BYTES = 2 << 20
+
+
+def threaded_heads(head_bytes: int) -> bool:
+    """Whether decode's heads get a thread of their own: where a core is left beside the
+    intra-op threads, or where a head is large. Measured on 2 cores with 2 intra-op threads:
+    the built-in model's heads (744 KiB each) cost more on a thread than inline (prerouter arm
+    154 -> 168 tok/s inline); the 30B-class shape's (~6 MiB each) saved 16% of the step on
+    one at K=2 under a cap (docs/prerouter.md)."""
+    return usable_cores() > torch.get_num_threads() or head_bytes >= HEADS_THREAD_MIN_BYTES
+
+
 class PrerouterRuntime:
     """What every request shares: the stacked heads, their thread, the wiring, the counters.
     A request's own prediction state is a PrerouterState (`new_state`)."""
@@ -66,6 +85,7 @@ class PrerouterRuntime:
         pool: ExpertPool | None,
         dtype: torch.dtype = torch.float32,
         stage_width: int | None = None,
+        threaded: bool | None = None,
     ):
         self.wiring = prerouter.wiring
         self.owners = self.wiring.owners
@@ -84,20 +104,25 @@ class PrerouterRuntime:
         self.consumers_of: dict[int, list[int]] = {}
         for c in self.consumers:
             self.consumers_of.setdefault(self.wiring.owner_of[c], []).append(c)
-        # Heads run on their own thread at decode, next to the layers that follow their owner
-        # (torch ops release the GIL); one intra-op thread, so they never take both cores.
-        self.worker = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="edge0-heads",
-            initializer=torch.set_num_threads,
-            initargs=(1,),
-        )
+        # Heads on their own thread at decode, next to the layers that follow their owner
+        # (torch ops release the GIL; one intra-op thread), where that pays (see threaded_heads)
+        if threaded is None:
+            threaded = threaded_heads(self.heads.nbytes // max(1, len(self.owners)))
+        self.worker = None
+        if threaded:
+            self.worker = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="edge0-heads",
+                initializer=torch.set_num_threads,
+                initargs=(1,),
+            )
 
     def new_state(self, rows: int = 1) -> PrerouterState:
         return PrerouterState(self, rows)
 
     def close(self) -> None:
-        self.worker.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()
 
 
 class PrerouterState:
@@ -154,15 +179,18 @@ class PrerouterState:
             # a consumer; otherwise it reads them now and needs room. Staging every consumer
             # one token ahead thus pins about (layers + 1) * K slots at most.
             x = features(self._h[layer], self._executed[layer], self._previous[layer])
-            if layer in self.staged:
+            if layer in self.staged and rt.worker is not None:
                 self._pending.append(rt.worker.submit(self._stage_ahead, layer, x))
+            elif layer in self.staged:
+                self._stage_ahead(layer, x)
             else:  # keep room for its reads: decided now, before this thread requests them
                 self._stage_ahead(layer, x, reserve=idx.shape[-1])
 
     @torch.no_grad()
     def _stage_ahead(self, owner: int, x: torch.Tensor, reserve: int = 0) -> None:
         """Decode: this owner's head on its features x [1, D+2E], and its consumers' reads for
-        the next token. Runs on the heads thread for owners that are consumers themselves."""
+        the next token. Runs on the heads thread (if any) for owners that are consumers
+        themselves."""
         rt = self.rt
         t0 = time.perf_counter_ns()
         logits = rt.heads.one(rt.row[owner], x)  # [1, E]
