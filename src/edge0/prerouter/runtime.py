@@ -16,9 +16,9 @@ intra-op threads, or where they are large (`threaded_heads`), so the compute thr
 with the next layers while a head evaluates; `flush` waits for them. Small heads on a machine
 whose intra-op threads take every core run on the compute thread: a thread there only
 contends with them (the built-in model's decode step 6.0 ms with one, 5.2 ms without). Either
-way a head's reads go to the I/O threads and do not block. An owner that
-is not itself a consumer (it reads its experts now) stages on the compute thread, so that the
-room it keeps for its own reads is decided before it takes it.
+way a head's reads go to the I/O threads and do not block. An owner that is not itself a
+consumer (it reads its experts now) stages on the compute thread, so that the room it keeps
+for its own reads is decided before it takes it.
 
 First decode token: the heads run on the last prompt position at the end of prefill (all in
 one batch, since prefill keeps the pool busy with whole-layer reads), so every generated

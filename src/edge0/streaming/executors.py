@@ -83,9 +83,13 @@ class FusedExperts:
         rows = []
         for t, experts in enumerate(indices.tolist()):
             ts = [tensors[e] for e in experts]
-            fields = ([a.w13 for a in ts], [a.p13 for a in ts], [a.w2 for a in ts])
-            p2 = [a.p2 for a in ts]
-            rows.append(self.op(x[t : t + 1], *fields, p2, self.layout, self.isa))  # [K, D]
+            fields = (
+                [a.w13 for a in ts],
+                [a.p13 for a in ts],
+                [a.w2 for a in ts],
+                [a.p2 for a in ts],
+            )
+            rows.append(self.op(x[t : t + 1], *fields, self.layout, self.isa))  # [K, D]
         return torch.stack(rows)  # [T, K, D]
 
 
