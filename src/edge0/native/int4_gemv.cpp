@@ -316,10 +316,11 @@ at::Tensor swiglu_int4_gemv(const at::Tensor& x, at::TensorList w13, at::TensorL
   const int64_t width = n_exp ? w13[0].size(0) / 2 : 0;
   at::Tensor gate_up = at::empty({n_exp, 2 * width}, x.options().dtype(at::kFloat));
   std::vector<Job> up(n_exp), down(n_exp);
+  const auto up_segs = segments(2 * width, layout), down_segs = segments(d, layout);
   for (int64_t e = 0; e < n_exp; ++e) {
     const Matrix m = matrix(w13[e], p13[e], d);
     TORCH_CHECK(m.n == 2 * width, "the experts of one call share their width");
-    up[e] = {m, segments(m.n, layout), xb.data(), gate_up.data_ptr<float>() + e * 2 * width};
+    up[e] = {m, up_segs, xb.data(), gate_up.data_ptr<float>() + e * 2 * width};
   }
   run(isa, up);
   const auto halves = gate_up.chunk(2, -1);
@@ -328,7 +329,7 @@ at::Tensor swiglu_int4_gemv(const at::Tensor& x, at::TensorList w13, at::TensorL
   for (int64_t e = 0; e < n_exp; ++e) {
     const Matrix m = matrix(w2[e], p2[e], width);
     TORCH_CHECK(m.n == d, "w2 must give ", d, " outputs");
-    down[e] = {m, segments(d, layout), h.data() + e * width, out.data_ptr<float>() + e * d};
+    down[e] = {m, down_segs, h.data() + e * width, out.data_ptr<float>() + e * d};
   }
   run(isa, down);
   return out.to(x.scalar_type());
