@@ -1,6 +1,6 @@
-"""The native decode ops (fused experts, attention): the engine decodes bit-identically with
-them, they take only the layers they compute exactly, and a machine that cannot build them is
-told why and served by the pure-PyTorch paths."""
+"""The native decode ops (fused experts, a decoder layer's norms and attention): the engine
+decodes bit-identically with them, they take only the layers they compute exactly, and a
+machine that cannot build them is told why and served by the pure-PyTorch paths."""
 
 from __future__ import annotations
 
@@ -112,6 +112,40 @@ def test_the_fused_experts_are_the_reference_bit_for_bit(dtype):
     assert torch.equal(fused(x, indices, tensors), torch_experts(x, indices, tensors))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1024, 128, 7, 100, 2067, 40000])
+def test_the_native_norm_is_the_modules_bit_for_bit(n, dtype):
+    """edge0.rms_norm with the width sum_lanes found equals layers.py RMSNorm bit for bit:
+    rows short of a vector, with leftover vectors and floats, and long enough (40,000) for the
+    sum's second level; large values, where the order of additions shows in the bits."""
+    from edge0.models.layers import RMSNorm
+
+    lanes = native.sum_lanes()
+    assert lanes in native.SUM_LANES
+    gen = torch.Generator().manual_seed(n)
+    norm = RMSNorm(n, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=gen))
+        for scale in (1.0, 1e3):
+            x = (torch.randn(3, 2, n, generator=gen) * scale).to(dtype)
+            got = native.rms_norm()(x, norm.weight, norm.eps, lanes)
+            assert got.dtype == dtype and torch.equal(got, norm(x))
+
+
+def test_the_norms_sum_width_is_checked_not_assumed():
+    """Of the widths sum_lanes tries, only the one it found computes ATen's sums here: the
+    comparison tells them apart (a width that is not the reduction's gives other bits)."""
+    from edge0.models.layers import RMSNorm
+
+    lanes = native.sum_lanes()
+    norm = RMSNorm(1024, 1e-6)
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(3)) * 1e3
+    with torch.no_grad():
+        ref = norm(x)
+    for other in native.SUM_LANES:
+        assert torch.equal(native.rms_norm()(x, norm.weight, 1e-6, other), ref) == (other == lanes)
+
+
 @pytest.fixture(scope="module")
 def int4_model(tmp_path_factory):
     """A random qwen3_moe with int4 resident projections (the default format)."""
@@ -123,10 +157,10 @@ def int4_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_native_attention_serves_int4_layers_bit_identically(int4_model, dtype):
-    """Every layer's attention (int4 q/k/v/o, q/k norm per head) runs through the native op
-    at decode, and the logits are those of the pure-PyTorch path, bit for bit, in either
-    compute dtype."""
+def test_the_native_layer_serves_int4_layers_bit_identically(int4_model, dtype):
+    """Every layer's norms and attention (int4 q/k/v/o, q/k norm per head) run through the
+    native op at decode, and the logits are those of the pure-PyTorch path, bit for bit, in
+    either compute dtype."""
     fused, served = decode_logits(int4_model, "fused", dtype)
     reference, none = decode_logits(int4_model, "torch", dtype)
     assert served == [0, 1, 2] and none == []
@@ -134,8 +168,8 @@ def test_the_native_attention_serves_int4_layers_bit_identically(int4_model, dty
 
 
 def decode_logits(path, kernel: str, dtype=torch.float32) -> tuple[torch.Tensor, list[int]]:
-    """Greedy prefill and 10 decode steps' logits with `kernel`, and the layers whose
-    attention the native op served."""
+    """Greedy prefill and 10 decode steps' logits with `kernel`, and the layers the native
+    op served."""
     opts = EngineOptions(io_mode="buffered", expert_kernel=kernel, dtype=dtype)
     engine = load_engine(path, opts)
     try:
@@ -143,7 +177,7 @@ def decode_logits(path, kernel: str, dtype=torch.float32) -> tuple[torch.Tensor,
             logits = [engine.prefill(req, engine.tokenizer.encode("def f(x):"))]
             for _ in range(10):
                 logits.append(engine.step(req, int(logits[-1].argmax())))
-        return torch.stack(logits), sorted(engine._mixers)
+        return torch.stack(logits), sorted(engine._layers)
     finally:
         engine.close()
 
@@ -158,20 +192,18 @@ def decode_logits(path, kernel: str, dtype=torch.float32) -> tuple[torch.Tensor,
     ],
     ids=["mixtral", "sliding-window", "olmoe", "qwen3.5"],
 )
-def test_the_native_attention_takes_only_the_layers_it_computes_exactly(
-    tmp_path, family, kw, served
-):
+def test_the_native_layer_takes_only_the_layers_it_computes_exactly(tmp_path, family, kw, served):
     """No q/k norm (Mixtral) is served; a sliding window, a q/k norm over the whole
     projection (OLMoE), and Qwen3.5's output gate, partial rotary and zero-centred norms
     (or a linear-attention mixer) keep the module's own forward."""
     from edge0.loader import load_edge0_model
-    from edge0.native.attention import servable
+    from edge0.native.layer import servable
     from test_families import make_checkpoint
 
     make_checkpoint(tmp_path / "hf", family, **kw)
     convert(tmp_path / "hf", tmp_path / "e0", progress=False)
     _, model = load_edge0_model(tmp_path / "e0", torch.float32, experts="streaming")
-    assert [servable(layer.mixer) for layer in model.backbone.layers] == [served] * len(
+    assert [servable(layer) for layer in model.backbone.layers] == [served] * len(
         model.backbone.layers
     )
     if served:  # and computes it bit-identically (no q/k norm here)

@@ -40,11 +40,11 @@ def step(
     tokens: torch.Tensor,
     pre: PrerouterState | None = None,
     executors: dict[int, Executor] | None = None,
-    mixers: dict | None = None,
+    layers: dict | None = None,
 ) -> torch.Tensor:
-    """tokens [B, 1] -> logits [B, V]; consumers route by the current predictions; `mixers`
-    stand in for those layers' mixers (Forward.mixers)."""
-    logits = model(tokens, step_forward(cache, pre, executors, mixers), last_only=True)[:, -1]
+    """tokens [B, 1] -> logits [B, V]; consumers route by the current predictions; `layers`
+    stand in for those decoder layers (Forward.layers)."""
+    logits = model(tokens, step_forward(cache, pre, executors, layers), last_only=True)[:, -1]
     if pre is not None:
         pre.flush()
     return logits
@@ -72,12 +72,12 @@ def step_forward(
     cache: KVCache,
     pre: PrerouterState | None,
     executors: dict[int, Executor] | None,
-    mixers: dict | None = None,
+    layers: dict | None = None,
 ) -> Forward:
     """A decode step's Forward: without a prerouter every layer routes by its own router;
     with one, each consumer routes by the predictions for it (W = K) or picks its K among the
     W staged for it (W > K)."""
-    kw = dict(executors=executors, mixers=mixers)
+    kw = dict(executors=executors, layers=layers)
     if pre is None:
         return Forward(cache, **kw)
     if pre.rt.wide:

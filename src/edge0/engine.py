@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from edge0 import decode, int4_layout, lora, memory, modeldir, native
+from edge0 import decode, int4_layout, lora, memory, modeldir
 from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
 from edge0.models.layers import CacheSnapshot, KVCache
-from edge0.native.attention import native_mixers
+from edge0.native.layer import native_layers
 from edge0.options import EngineOptions
 from edge0.plan import ServingPlan, make_plan, model_dir_sizes
 from edge0.prefix_cache import PrefixCache, PrefixStats
@@ -241,10 +241,10 @@ class Engine:
         self.tokenizer = load_tokenizer(path)
         self.eos = eos_ids(path, self.tokenizer)
         self.decode_experts = decode_experts(options.expert_kernel, options.cache_dir)
-        # with the native ops, a decode token's attention too where the op serves the layer
-        self._mixers = {}
+        # with the native ops, a decode token's norms and attention too, where they serve it
+        self._layers = {}
         if isinstance(self.decode_experts, FusedExperts):
-            self._mixers = native_mixers(model, native.attention_decode(options.cache_dir))
+            self._layers = native_layers(model, options.cache_dir)
         self._exact = {i: ExactExecutor(pool, i, self.decode_experts) for i in self.moe_layers}
         bound = plan.floor.prefix_cache
         self.prefix_cache = PrefixCache(bound) if bound else None
@@ -394,7 +394,7 @@ class Engine:
         exact = self._before_step(req)
         x = torch.tensor([[token]], dtype=torch.long)
         t0 = time.perf_counter()
-        logits = decode.step(self.model, req.cache, x, req.pre, req.decode, self._mixers)
+        logits = decode.step(self.model, req.cache, x, req.pre, req.decode, self._layers)
         logits = logits[0].float()
         self.step_s.add(time.perf_counter() - t0)
         self._after_steps([req], [token], [exact])

@@ -31,9 +31,9 @@ class Forward:
     (prediction-as-routing); `observer` sees each MoE layer's input and executed experts;
     `executors[layer]` computes that layer's experts (the engine's strategy for this phase);
     `allowed[layer]` (bool [T, E]) restricts that layer's router to those experts (a staged
-    set wider than K); `mixers[layer]` stands in for that decoder layer's mixer (the engine's
-    native attention at decode). With none set, every layer routes by its own router through
-    its own experts module, and every mixer is the model's own.
+    set wider than K); `layers[i]` stands in for decoder layer i (the engine's native layer at
+    decode, called as the layer is). With none set, every layer routes by its own router
+    through its own experts module, and every decoder layer is the model's own.
     """
 
     def __init__(
@@ -43,19 +43,18 @@ class Forward:
         observer: RoutingObserver | None = None,
         executors: dict[int, Executor] | None = None,
         allowed: dict[int, torch.Tensor] | None = None,
-        mixers: dict[int, Callable] | None = None,
+        layers: dict[int, Callable] | None = None,
     ):
         self.cache = cache
         self.predicted = predicted or {}
         self.observer = observer
         self.executors = executors or {}
         self.allowed = allowed or {}
-        self.mixers = mixers or {}
+        self.layers = layers or {}
 
-    def mixer(self, layer: int, module: nn.Module) -> Callable:
-        """What computes decoder layer `layer`'s mixer in this call: the stand-in, else the
-        module."""
-        return self.mixers.get(layer, module)
+    def layer(self, i: int, module: nn.Module) -> Callable:
+        """What computes decoder layer i in this call: the stand-in, else the module."""
+        return self.layers.get(i, module)
 
     def router_logits(self, layer: int, h: torch.Tensor, router: nn.Module) -> torch.Tensor:
         pred = self.predicted.get(layer)

@@ -109,8 +109,7 @@ class DecoderLayer(nn.Module):
         return self._modules[self.mlp_name]
 
     def forward(self, x: torch.Tensor, rope, fwd: Forward) -> torch.Tensor:
-        mixer = fwd.mixer(self.mixer.layer, self.mixer)
-        x = x + mixer(self.input_layernorm(x), rope, fwd.cache)
+        x = x + self.mixer(self.input_layernorm(x), rope, fwd.cache)
         h = self.post_attention_layernorm(x)
         mlp = self.mlp_block
         return x + (mlp(h, fwd) if self.is_moe else mlp(h))
@@ -228,8 +227,8 @@ class CausalLM(nn.Module):
         """ids [B, T] -> final-norm hidden states [B, T, D]."""
         x = self.backbone.embedding()(ids)
         rope = self.rotary(fwd.positions(ids.shape[1], ids.device), x.dtype)
-        for layer in self.backbone.layers:
-            x = layer(x, rope, fwd)
+        for i, layer in enumerate(self.backbone.layers):
+            x = fwd.layer(i, layer)(x, rope, fwd)
         return self.backbone.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,16 @@ remove is the Python, the dispatch and the dtype round trips between that path's
   torch.ops.edge0.swiglu_int4_gemv  a decode token through its K int4 experts in one parallel
                                     region (int4_gemv.cpp; the reference: ~16 ops per expert)
   torch.ops.edge0.int4_gemv         one int4 projection of a few rows
-  torch.ops.edge0.attention_decode  a decode token of one sequence through a GQA attention
-                                    layer (decode_ops.cpp; native/attention.py says which)
+  torch.ops.edge0.attention_block   a decode token of one sequence through a decoder layer's
+                                    norm, GQA attention, residual and post-attention norm
+                                    (decode_ops.cpp; native/layer.py says which layers)
+  torch.ops.edge0.rms_norm          layers.py RMSNorm of fp32 rows (norms.cpp)
 
 The int4 products are edge0's own kernels (AVX-512, AVX2, portable), each doing what torch's
 int4 kernel does for the CPU capability of that name, operation for operation; `kernel_args`
 gives the ops the path of torch's capability here (ATEN_CPU_CAPABILITY selects both) and the
-arrangement the weights are packed in.
+arrangement the weights are packed in. The norms add their sums in the order ATen's float
+reduction adds them, whose vector width `sum_lanes` finds by comparing with ATen here.
 
 The library is compiled with the system's C++ compiler against the installed torch's
 headers, in a child process, the first time it is needed (`make` set-up does it: `python -m
@@ -41,8 +44,8 @@ from edge0.store.relayout import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("decode_ops.cpp", "int4_gemv.cpp")]
-HEADERS = [Path(__file__).with_name("int4_gemv.h")]
+SOURCES = [Path(__file__).with_name(n) for n in ("decode_ops.cpp", "int4_gemv.cpp", "norms.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("int4_gemv.h", "norms.h")]
 ISA_PATHS = ("portable", "avx2", "avx512")  # int4_gemv.cpp's paths, by their code
 # No -march: int4_gemv.cpp marks its AVX2 and AVX-512 functions with target attributes and
 # picks one at run time; no contraction, so the portable path's arithmetic is as written.
@@ -179,7 +182,50 @@ def int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
     return torch.ops.edge0.int4_gemv
 
 
-def attention_decode(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
-    """The op, built and loaded if need be (its arguments: native/attention.py)."""
+def attention_block(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
+    """The op, built and loaded if need be (its arguments: native/layer.py)."""
     _load(cache_dir)
-    return torch.ops.edge0.attention_decode
+    return torch.ops.edge0.attention_block
+
+
+def rms_norm(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
+    """The op, built and loaded if need be: (x [..., n] fp32, weight [n], eps, lanes) -> x's
+    shape."""
+    _load(cache_dir)
+    return torch.ops.edge0.rms_norm
+
+
+# Widths tried, most likely first: ATen's float sums run 8 lanes on x86 (its sum kernel has no
+# AVX-512 build), 4 with 128-bit NEON vectors, 16 where a 512-bit build exists.
+SUM_LANES = (8, 4, 16)
+# Row lengths whose sums tell the widths apart (each also crosses a vector boundary)
+_CALIBRATION_SIZES = (1024, 128, 100, 2067)
+
+
+@functools.cache
+def sum_lanes(cache_dir: Path | None = None) -> int | None:
+    """The vector width ATen's float sum reduction adds with in this process, found by
+    computing RMSNorm both ways on random rows: the first of SUM_LANES whose edge0.rms_norm
+    equals layers.py RMSNorm bit for bit on all of them. None (with a warning) if none does:
+    the native layers are then not used."""
+    from edge0.models.layers import RMSNorm
+
+    op = rms_norm(cache_dir)
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for n in _CALIBRATION_SIZES:
+        norm = RMSNorm(n, 1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(n, generator=gen))
+            for scale in (1.0, 1e3):
+                x = torch.randn(4, n, generator=gen) * scale
+                cases.append((x, norm.weight, norm(x)))
+    for lanes in SUM_LANES:
+        if all(torch.equal(op(x, w, 1e-6, lanes), ref) for x, w, ref in cases):
+            return lanes
+    log.warning(
+        "the native norms do not add in ATen's order on this CPU (%s); decode layers use the "
+        "PyTorch path",
+        torch.backends.cpu.get_cpu_capability(),
+    )
+    return None

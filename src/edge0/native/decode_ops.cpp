@@ -1,14 +1,18 @@
-// Native decode ops: the ATen ops of a pure-PyTorch path, in the same order, in one call.
+// Native decode ops: the operations of a pure-PyTorch path, in the same order, in one call.
 //
-// edge0::attention_decode: one decode token of one sequence through a GQA attention layer
-// (the reference: models/layers.py Attention.forward), see below. Its int4 projections go
-// through edge0::int4_gemv (int4_gemv.cpp), which computes what torch's int4 kernel computes
-// bit for bit; everything else is the reference's ATen ops. So the result is bit-identical to
-// the reference; what the op saves is the Python and dispatch between the ops.
+// edge0::attention_block: one decode token of one sequence through a decoder layer's norm,
+// GQA attention, residual and post-attention norm (the reference: models/blocks.py
+// DecoderLayer.forward with models/layers.py Attention.forward), see below. Its int4
+// projections go through edge0::int4_gemv (int4_gemv.cpp), which computes what torch's int4
+// kernel computes bit for bit; its norms, rotary and residual are loops that round where the
+// reference's ops round (norms.cpp); SDPA and float projections are the reference's ATen ops.
+// So the result is bit-identical to the reference; what the op saves is the ~100 ATen ops,
+// the Python and the dispatch between them.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "int4_gemv.h"
+#include "norms.h"
 
 #include <vector>
 
@@ -50,66 +54,100 @@ std::vector<at::Tensor> project(const at::Tensor& x, const std::vector<at::Tenso
   return ys;
 }
 
-// layers.py RMSNorm
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const auto dtype = x.scalar_type();
-  at::Tensor xf = x.to(at::kFloat);
-  xf = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
-  return weight * xf.to(dtype);
-}
-
-// layers.py apply_rotary over every channel: x * cos + rotate_half(x) * sin
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const auto halves = x.chunk(2, -1);
-  const at::Tensor rotated = at::cat({-halves[1], halves[0]}, -1);
-  return x * cos + rotated * sin;
-}
-
-// edge0::attention_decode: layers.py Attention.forward for one token of one sequence, with
-// q/k RMSNorm per head or none, full rotary, no window, clip, gate or bias: the same ops in
-// the same order. Writes the token's key and value at position n of the cache buffers
-// [1, G, max, Dh] and attends over positions 0..n. x [1, 1, D] -> [1, 1, D].
-at::Tensor attention_decode(const at::Tensor& x, at::TensorList q_proj, at::TensorList k_proj,
-                            at::TensorList v_proj, at::TensorList o_proj,
-                            at::ArrayRef<double> lora_scale,
-                            const std::optional<at::Tensor>& q_norm,
-                            const std::optional<at::Tensor>& k_norm, double eps,
-                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                            at::Tensor v_cache, int64_t n, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, double scale, at::IntArrayRef layout,
-                            int64_t isa) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "x must be [1, 1, D]");
-  TORCH_CHECK(lora_scale.size() == 4, "one LoRA scale per projection");
-  const auto qkv = project(x, {q_proj, k_proj, v_proj}, lora_scale.slice(0, 3), layout, isa);
-  at::Tensor q = qkv[0].view({1, 1, heads, head_dim});
-  at::Tensor k = qkv[1].view({1, 1, kv_heads, head_dim});
-  at::Tensor v = qkv[2].view({1, 1, kv_heads, head_dim});
-  if (q_norm.has_value()) {
-    q = rms_norm(q, *q_norm, eps);
-    k = rms_norm(k, *k_norm, eps);
+// layers.py apply_rotary over every channel of one head's vector, in place:
+// x * cos + rotate_half(x) * sin, each product and the sum rounded as the ATen ops round them
+// (to bf16 with `bf16`).
+void rotary(float* x, const float* cos, const float* sin, int64_t dim, bool bf16) {
+  const int64_t half = dim / 2;
+  std::vector<float> rotated(dim);
+  for (int64_t d = 0; d < dim; ++d) rotated[d] = d < half ? -x[d + half] : x[d - half];
+  for (int64_t d = 0; d < dim; ++d) {
+    const float a = edge0::round_to(x[d] * cos[d], bf16);
+    const float b = edge0::round_to(rotated[d] * sin[d], bf16);
+    x[d] = edge0::round_to(a + b, bf16);
   }
-  q = rotary(q.transpose(1, 2), cos, sin);
-  k = rotary(k.transpose(1, 2), cos, sin);
-  v = v.transpose(1, 2);
-  k_cache.narrow(2, n, 1).copy_(k);
-  v_cache.narrow(2, n, 1).copy_(v);
+}
+
+// A tensor's values as a contiguous float tensor of its own (written to in place).
+at::Tensor floats(const at::Tensor& t) {
+  at::Tensor f = t.to(at::kFloat).contiguous();
+  return f.data_ptr() == t.data_ptr() ? f.clone() : f;
+}
+
+// edge0::attention_block: blocks.py DecoderLayer's attention half for one decode token of
+// one sequence, x [1, 1, D] -> (x + attention(norm(x)), post_norm(that)), in fp32 or bf16
+// (every tensor in x's dtype). The attention is layers.py Attention.forward with q/k RMSNorm
+// per head or none, full rotary, no window, clip, gate or bias: the same operations in the
+// same order, its key and value written at position n of the cache buffers [1, G, max, Dh],
+// SDPA over positions 0..n. The norms, the rotary and the residual are loops over floats that
+// round where the module's ops round (norms.cpp; `lanes`: native.sum_lanes), the products
+// edge0's int4 kernels or ATen's, SDPA ATen's: bit-identical to the module path.
+std::vector<at::Tensor> attention_block(
+    const at::Tensor& x, const at::Tensor& input_norm, double input_eps,
+    const at::Tensor& post_norm, double post_eps, at::TensorList q_proj, at::TensorList k_proj,
+    at::TensorList v_proj, at::TensorList o_proj, at::ArrayRef<double> lora_scale,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+    double eps, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+    at::Tensor v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    double scale, int64_t lanes, at::IntArrayRef layout, int64_t isa) {
+  const auto dtype = x.scalar_type();
+  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1 && (bf16 || dtype == at::kFloat),
+              "x must be fp32 or bf16 [1, 1, D]");
+  TORCH_CHECK(lora_scale.size() == 4, "one LoRA scale per projection");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
+                  cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              "the cache buffers, cos and sin must be in x's dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == 1 &&
+                  k_cache.size(1) == kv_heads && k_cache.size(3) == head_dim &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "the cache buffers must be contiguous [1, G, max, Dh]");
+  TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim, "cos and sin must be [1, Dh]");
+  TORCH_CHECK(head_dim % 2 == 0, "rotary needs an even head dim");
+  TORCH_CHECK(n < k_cache.size(2), "position ", n, " is past the cache");
+  const at::Tensor h = edge0::rms_norm(x, input_norm, input_eps, lanes);
+  const auto qkv = project(h, {q_proj, k_proj, v_proj}, lora_scale.slice(0, 3), layout, isa);
+  at::Tensor q = floats(qkv[0]).view({heads, head_dim});
+  at::Tensor k = floats(qkv[1]).view({kv_heads, head_dim});
+  if (q_norm.has_value()) {
+    q = edge0::rms_norm(q.to(dtype), *q_norm, eps, lanes).to(at::kFloat).contiguous();
+    k = edge0::rms_norm(k.to(dtype), *k_norm, eps, lanes).to(at::kFloat).contiguous();
+  }
+  const at::Tensor cf = floats(cos), sf = floats(sin);
+  for (int64_t i = 0; i < heads; ++i)
+    rotary(q.data_ptr<float>() + i * head_dim, cf.data_ptr<float>(), sf.data_ptr<float>(),
+           head_dim, bf16);
+  for (int64_t g = 0; g < kv_heads; ++g)
+    rotary(k.data_ptr<float>() + g * head_dim, cf.data_ptr<float>(), sf.data_ptr<float>(),
+           head_dim, bf16);
+  // the token's key and value at position n (its values are exact in the cache's dtype)
+  k_cache.select(2, n).copy_(k.view({1, kv_heads, head_dim}));
+  v_cache.select(2, n).copy_(qkv[2].view({1, kv_heads, head_dim}));
   const at::Tensor out = at::scaled_dot_product_attention(
-      q, k_cache.narrow(2, 0, n + 1), v_cache.narrow(2, 0, n + 1), std::nullopt, 0.0, false,
-      scale, kv_heads != heads);
-  return project(out.transpose(1, 2).reshape({1, 1, -1}), {o_proj}, lora_scale.slice(3), layout,
-                 isa)[0];
+      q.to(dtype).view({1, heads, 1, head_dim}), k_cache.narrow(2, 0, n + 1),
+      v_cache.narrow(2, 0, n + 1), std::nullopt, 0.0, false, scale, kv_heads != heads);
+  const at::Tensor o = floats(
+      project(out.transpose(1, 2).reshape({1, 1, -1}), {o_proj}, lora_scale.slice(3), layout,
+              isa)[0]);
+  at::Tensor x1 = floats(x);
+  float* xp = x1.data_ptr<float>();
+  const float* op = o.data_ptr<float>();
+  for (int64_t i = 0; i < x1.numel(); ++i) xp[i] = edge0::round_to(xp[i] + op[i], bf16);
+  const at::Tensor x_out = x1.to(dtype);
+  return {x_out, edge0::rms_norm(x_out, post_norm, post_eps, lanes)};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(edge0, m) {
   m.def(
-      "attention_decode(Tensor x, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, "
-      "Tensor[] o_proj, float[] lora_scale, Tensor? q_norm, Tensor? k_norm, float eps, "
-      "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int n, int heads, "
-      "int kv_heads, int head_dim, float scale, int[] layout, int isa) -> Tensor");
+      "attention_block(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "
+      "float post_eps, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, Tensor[] o_proj, "
+      "float[] lora_scale, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, int n, int heads, int kv_heads, int head_dim, "
+      "float scale, int lanes, int[] layout, int isa) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(edge0, CPU, m) {
-  m.impl("attention_decode", &attention_decode);
+  m.impl("attention_block", &attention_block);
 }

@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "int4_gemv.h"
+#include "norms.h"
 
 #include <cstdint>
 #include <cstring>
@@ -35,6 +36,8 @@
 #endif
 
 namespace {
+
+using edge0::bf16_round;
 
 constexpr int64_t kGroup = 64;  // quant.GROUP
 // Software prefetch distance into a block's bytes. Experts come from a pool far larger than
@@ -71,15 +74,6 @@ inline int64_t lane_row(int64_t lane, int64_t block, bool interleaved) {
   const int64_t half = block / 2;
   if (!interleaved) return lane;
   return lane < half ? 2 * lane : 2 * (lane - half) + 1;
-}
-
-inline float bf16_round(float v) {  // round to nearest even, as torch's conversion (NaN kept)
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return v;
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&v, &u, 4);
-  return v;
 }
 
 inline float bf16_bits(uint16_t b) {

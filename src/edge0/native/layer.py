@@ -1,0 +1,138 @@
+"""A decode token's decoder layer through the native ops: which layers they serve, and the call.
+
+`torch.ops.edge0.attention_block` (decode_ops.cpp) computes blocks.py DecoderLayer's
+attention half for one token of one sequence, `x + attention(input_norm(x))` and its
+post-attention norm, with the operations of the module path in the same order (the int4
+products with edge0's kernel, which computes torch's bit for bit; the norms with norms.cpp,
+which adds in ATen's order), so it is bit-identical to it. The layer's MLP (an MoE block with
+the call's routing hooks, or a dense one) then runs as the module's own. Served: RMSNorm
+layer norms, fp32 or bf16, and layers.py Attention with projections that are Int4Linear or a float
+nn.Linear (either under an enabled or disabled LoraLinear), q/k RMSNorm per head or none,
+full rotary. A layer with anything else (q/k norm over the whole projection or another norm,
+clipping, an output gate, a sliding window, partial rotary, biases) is not served, and
+neither is a forward of several tokens or rows: those take the module's own forward.
+
+The engine hands these to decode forwards as `Forward.layers`; nothing is installed into the
+model.
+Shape legend: D hidden, H query heads, G kv heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from edge0 import native
+from edge0.lora import LoraLinear
+from edge0.models.blocks import DecoderLayer
+from edge0.models.int4 import Int4Linear
+from edge0.models.layers import Attention, KVCache, RMSNorm
+
+
+def _projection(m: nn.Module) -> tuple[list[torch.Tensor], float] | None:
+    """The op's tensors for one projection and its LoRA scale, or None if it cannot take it."""
+    if isinstance(m, LoraLinear):
+        base = _projection(m.base)
+        if base is None or not m.enabled:
+            return base
+        return base[0] + [m.lora_A, m.lora_B], m.scale
+    if isinstance(m, Int4Linear) and m.bias is None:
+        return [m.packed, m.pairs.view(torch.bfloat16)], 0.0
+    if type(m) is nn.Linear and m.bias is None:
+        return [m.weight], 0.0
+    return None
+
+
+def servable(layer: nn.Module) -> bool:
+    """Whether the op computes this decoder layer's attention half as its forward does (see
+    the module docstring)."""
+    if not isinstance(layer, DecoderLayer):
+        return False
+    if not (
+        type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+    ):
+        return False
+    attn = layer.mixer
+    if type(attn) is not Attention or attn.clip is not None or attn.output_gate:
+        return False
+    if attn.window is not None or attn.qk_norm not in (None, "head"):
+        return False
+    if attn.qk_norm == "head" and not (
+        type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm
+    ):
+        return False
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    return all(_projection(m) is not None for m in projections)
+
+
+class NativeLayer:
+    """A decoder layer's stand-in at decode: one token of one sequence, in fp32 or bf16 (the
+    layer's weights in its dtype), through the op; anything else through the layer itself."""
+
+    def __init__(self, layer: DecoderLayer, op: Callable[..., list[torch.Tensor]], lanes: int):
+        self.layer, self.op, self.lanes = layer, op, lanes
+        self.layout, self.isa = native.kernel_args()
+        a = layer.mixer
+        self.eps = a.q_norm.eps if a.qk_norm == "head" else 0.0
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd):
+        layer, a, cache = self.layer, self.layer.mixer, fwd.cache
+        cos, sin = rope
+        if (
+            x.shape[:2] != (1, 1)
+            or x.dtype not in (torch.float32, torch.bfloat16)
+            or layer.input_layernorm.weight.dtype != x.dtype
+            or type(cache) is not KVCache
+            or cos.shape[-1] != a.head_dim
+            or cos.dtype != x.dtype
+        ):
+            return layer(x, rope, fwd)
+        parts = [_projection(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)]
+        if None in parts:  # a projection swapped since (an adapter of another kind)
+            return layer(x, rope, fwd)
+        norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm == "head" else (None, None)
+        n = cache.length[a.layer]
+        k_buf, v_buf = cache.slot(a.layer, 1)
+        pre, post = layer.input_layernorm, layer.post_attention_layernorm
+        x, h = self.op(
+            x.contiguous(),
+            pre.weight,
+            pre.eps,
+            post.weight,
+            post.eps,
+            *[p[0] for p in parts],
+            [p[1] for p in parts],
+            *norms,
+            self.eps,
+            cos.contiguous(),
+            sin.contiguous(),
+            k_buf,
+            v_buf,
+            n,
+            a.heads,
+            a.kv_heads,
+            a.head_dim,
+            a.head_dim**-0.5,
+            self.lanes,
+            self.layout,
+            self.isa,
+        )
+        cache.length[a.layer] = n + 1
+        mlp = layer.mlp_block
+        return x + (mlp(h, fwd) if layer.is_moe else mlp(h))
+
+
+def native_layers(model: nn.Module, cache_dir=None) -> dict[int, NativeLayer]:
+    """The stand-in for every decoder layer the op serves, by layer index (none where the
+    float sums' order could not be matched here: see native.sum_lanes)."""
+    lanes = native.sum_lanes(cache_dir)
+    if lanes is None:
+        return {}
+    op = native.attention_block(cache_dir)
+    return {
+        i: NativeLayer(layer, op, lanes)
+        for i, layer in enumerate(model.backbone.layers)
+        if servable(layer)
+    }
