@@ -132,6 +132,25 @@ def test_the_native_norm_is_the_modules_bit_for_bit(n, dtype):
             assert got.dtype == dtype and torch.equal(got, norm(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k, d", [(2, 256), (8, 1024), (17, 100), (40, 1035)])
+def test_the_native_combine_is_the_blocks_bit_for_bit(k, d, dtype):
+    """edge0.moe_combine equals MoEBlock's weighted sum, its shared expert and the layer's
+    residual bit for bit: K past the sum's first level (17, 40), widths that leave vectors and
+    floats after the last run of four vectors (100, 1035)."""
+    gen = torch.Generator().manual_seed(k * d)
+    routed = (torch.randn(1, k, d, generator=gen) * 1e2).to(dtype)
+    weights = torch.rand(1, k, generator=gen)
+    x = torch.randn(1, 1, d, generator=gen).to(dtype)
+    shared = torch.randn(1, d, generator=gen).to(dtype)
+    op, lanes = native.moe_combine(), native.sum_lanes()
+    for s in (None, shared):
+        y = (routed * weights[..., None].to(dtype)).sum(dim=1)
+        ref = x + (y if s is None else y + s).view(1, 1, d)
+        got = op(routed, weights, x, s, lanes)
+        assert got.shape == ref.shape and torch.equal(got, ref)
+
+
 def test_the_norms_sum_width_is_checked_not_assumed():
     """Of the widths sum_lanes tries, only the one it found computes ATen's sums here: the
     comparison tells them apart (a width that is not the reduction's gives other bits)."""

@@ -66,18 +66,30 @@ class MoEBlock(nn.Module):
         predictions into experts with this same method."""
         return self.selector(logits, k or self.top_k, self.gate, allowed)
 
-    def forward(self, x: torch.Tensor, fwd: Forward) -> torch.Tensor:
-        b, t, d = x.shape
-        h = x.reshape(b * t, d)
+    def parts(
+        self, h: torch.Tensor, fwd: Forward, select: Callable | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the block sums, h [T, D] -> each token's routed experts [T, K, D], their
+        weights [T, K] and the shared expert's output [T, D] (None without one). `select`
+        stands in for the block's (the same function, computed another way)."""
         logits = fwd.router_logits(self.layer, h, self.gate)  # a prediction replaces the router
-        weights, indices = self.select(logits, allowed=fwd.allowed.get(self.layer))
+        select = select or self.select
+        weights, indices = select(logits, allowed=fwd.allowed.get(self.layer))
         fwd.routed(self.layer, h, logits, indices)
         routed = fwd.experts(self.layer, self.experts)(h, indices)  # [T, K, D]
-        y = (routed * weights[..., None].to(h.dtype)).sum(dim=1)  # [T, D]
+        s = None
         if self.shared_name is not None:
             s = self._modules[self.shared_name](h)
             if self.gated_shared:
                 s = torch.sigmoid(self.shared_expert_gate(h)) * s
+        return routed, weights, s
+
+    def forward(self, x: torch.Tensor, fwd: Forward) -> torch.Tensor:
+        b, t, d = x.shape
+        h = x.reshape(b * t, d)
+        routed, weights, s = self.parts(h, fwd)
+        y = (routed * weights[..., None].to(h.dtype)).sum(dim=1)  # [T, D]
+        if s is not None:
             y = y + s
         return y.view(b, t, d)
 

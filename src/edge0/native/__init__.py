@@ -9,13 +9,17 @@ remove is the Python, the dispatch and the dtype round trips between that path's
   torch.ops.edge0.attention_block   a decode token of one sequence through a decoder layer's
                                     norm, GQA attention, residual and post-attention norm
                                     (decode_ops.cpp; native/layer.py says which layers)
-  torch.ops.edge0.rms_norm          layers.py RMSNorm of fp32 rows (norms.cpp)
+  torch.ops.edge0.softmax_topk      routing.softmax_topk's ATen ops (decode_ops.cpp)
+  torch.ops.edge0.moe_combine       the weighted sum of a token's experts, its shared expert
+                                    and the residual (decode_ops.cpp)
+  torch.ops.edge0.rms_norm          layers.py RMSNorm of fp32 or bf16 rows (norms.cpp)
 
 The int4 products are edge0's own kernels (AVX-512, AVX2, portable), each doing what torch's
 int4 kernel does for the CPU capability of that name, operation for operation; `kernel_args`
 gives the ops the path of torch's capability here (ATEN_CPU_CAPABILITY selects both) and the
 arrangement the weights are packed in. The norms add their sums in the order ATen's float
-reduction adds them, whose vector width `sum_lanes` finds by comparing with ATen here.
+reduction adds them (as do the weighted sums), whose vector width `sum_lanes` finds by
+comparing with ATen here.
 
 The library is compiled with the system's C++ compiler against the installed torch's
 headers, in a child process, the first time it is needed (`make` set-up does it: `python -m
@@ -186,6 +190,20 @@ def attention_block(cache_dir: Path | None = None) -> Callable[..., list[torch.T
     """The op, built and loaded if need be (its arguments: native/layer.py)."""
     _load(cache_dir)
     return torch.ops.edge0.attention_block
+
+
+def moe_combine(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
+    """The op, built and loaded if need be:
+    (routed [1, K, D], weights [1, K], x [..., D], shared [1, D] or None, lanes) -> x's shape."""
+    _load(cache_dir)
+    return torch.ops.edge0.moe_combine
+
+
+def softmax_topk(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
+    """The op, built and loaded if need be: (logits [T, E], k, norm_topk_prob) -> [weights,
+    indices], as routing.softmax_topk without an allowed set."""
+    _load(cache_dir)
+    return torch.ops.edge0.softmax_topk
 
 
 def rms_norm(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:

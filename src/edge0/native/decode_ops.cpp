@@ -8,6 +8,9 @@
 // reference's ops round (norms.cpp); SDPA and float projections are the reference's ATen ops.
 // So the result is bit-identical to the reference; what the op saves is the ~100 ATen ops,
 // the Python and the dispatch between them.
+//
+// edge0::softmax_topk and edge0::moe_combine: the same layer's routing (the softmax families')
+// and its weighted sum of experts and residual.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -137,6 +140,55 @@ std::vector<at::Tensor> attention_block(
   return {x_out, edge0::rms_norm(x_out, post_norm, post_eps, lanes)};
 }
 
+// edge0::moe_combine: blocks.py MoEBlock's weighted sum of one token's K experts and
+// DecoderLayer's residual, x + (sum_k routed[0, k] * weights[0, k] (+ shared)), as
+//   y = (routed * weights[..., None].to(dtype)).sum(dim=1); y = y + shared; x + y
+// computes it: the weights cast to the dtype, each product rounded to it, the sum over K in
+// ATen's order in float (norms.h) and rounded once, each addition rounded.
+// routed [1, K, D], weights [1, K], x [..., D] with one row, shared [1, D] -> x's shape.
+at::Tensor moe_combine(const at::Tensor& routed, const at::Tensor& weights, const at::Tensor& x,
+                       const std::optional<at::Tensor>& shared, int64_t lanes) {
+  const auto dtype = x.scalar_type();
+  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK(bf16 || dtype == at::kFloat, "moe_combine takes fp32 or bf16");
+  TORCH_CHECK(routed.dim() == 3 && routed.size(0) == 1 && routed.scalar_type() == dtype,
+              "routed must be [1, K, D] in x's dtype");
+  const int64_t k = routed.size(1), d = routed.size(2);
+  TORCH_CHECK(x.numel() == d && weights.numel() == k, "x must be one row of D, weights [1, K]");
+  TORCH_CHECK(lanes >= 1 && lanes <= edge0::kMaxLanes, "lanes must be 1 to ", edge0::kMaxLanes);
+  const at::Tensor r = routed.to(at::kFloat).contiguous();
+  const at::Tensor w = weights.to(at::kFloat).contiguous();
+  const float* rp = r.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  std::vector<float> wk(k), y(d);
+  for (int64_t i = 0; i < k; ++i) wk[i] = edge0::round_to(wp[i], bf16);
+  edge0::outer_sum(
+      k, d, lanes,
+      [&](int64_t i, int64_t c) { return edge0::round_to(rp[i * d + c] * wk[i], bf16); },
+      y.data());
+  for (int64_t c = 0; c < d; ++c) y[c] = edge0::round_to(y[c], bf16);
+  if (shared.has_value()) {
+    TORCH_CHECK(shared->numel() == d && shared->scalar_type() == dtype,
+                "shared must be one row of D in x's dtype");
+    const at::Tensor sf = shared->to(at::kFloat).contiguous();
+    const float* sp = sf.data_ptr<float>();
+    for (int64_t c = 0; c < d; ++c) y[c] = edge0::round_to(y[c] + sp[c], bf16);
+  }
+  at::Tensor out = floats(x);
+  float* op = out.data_ptr<float>();
+  for (int64_t c = 0; c < d; ++c) op[c] = edge0::round_to(op[c] + y[c], bf16);
+  return out.to(dtype);
+}
+
+// edge0::softmax_topk: routing.py softmax_topk without an allowed set, its ATen ops in one
+// call: logits [T, E] -> (weights [T, K] in the logits' dtype, indices [T, K]).
+std::vector<at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool norm_topk_prob) {
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+  auto [weights, indices] = at::topk(probs, k, -1);
+  if (norm_topk_prob) weights = weights / weights.sum(-1, true);
+  return {weights.to(logits.scalar_type()), indices};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edge0, m) {
@@ -146,8 +198,14 @@ TORCH_LIBRARY(edge0, m) {
       "float[] lora_scale, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, int n, int heads, int kv_heads, int head_dim, "
       "float scale, int lanes, int[] layout, int isa) -> Tensor[]");
+  m.def(
+      "moe_combine(Tensor routed, Tensor weights, Tensor x, Tensor? shared, int lanes) -> "
+      "Tensor");
+  m.def("softmax_topk(Tensor logits, int k, bool norm_topk_prob) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(edge0, CPU, m) {
   m.impl("attention_block", &attention_block);
+  m.impl("moe_combine", &moe_combine);
+  m.impl("softmax_topk", &softmax_topk);
 }

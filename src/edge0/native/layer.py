@@ -4,8 +4,10 @@
 attention half for one token of one sequence, `x + attention(input_norm(x))` and its
 post-attention norm, with the operations of the module path in the same order (the int4
 products with edge0's kernel, which computes torch's bit for bit; the norms with norms.cpp,
-which adds in ATen's order), so it is bit-identical to it. The layer's MLP (an MoE block with
-the call's routing hooks, or a dense one) then runs as the module's own. Served: RMSNorm
+which adds in ATen's order), so it is bit-identical to it. An MoE block then routes and runs
+its experts as its own forward does, with the call's hooks (`MoEBlock.parts`), and
+`torch.ops.edge0.moe_combine` adds the weighted experts, the shared expert and the residual
+as the module path adds them; a dense MLP runs as the module's own. Served: RMSNorm
 layer norms, fp32 or bf16, and layers.py Attention with projections that are Int4Linear or a float
 nn.Linear (either under an enabled or disabled LoraLinear), q/k RMSNorm per head or none,
 full rotary. A layer with anything else (q/k norm over the whole projection or another norm,
@@ -26,9 +28,10 @@ from torch import nn
 
 from edge0 import native
 from edge0.lora import LoraLinear
-from edge0.models.blocks import DecoderLayer
+from edge0.models.blocks import DecoderLayer, MoEBlock
 from edge0.models.int4 import Int4Linear
 from edge0.models.layers import Attention, KVCache, RMSNorm
+from edge0.routing import SoftmaxTopK
 
 
 def _projection(m: nn.Module) -> tuple[list[torch.Tensor], float] | None:
@@ -67,61 +70,80 @@ def servable(layer: nn.Module) -> bool:
     return all(_projection(m) is not None for m in projections)
 
 
+class NativeSelect:
+    """An MoE block's softmax top-k routing through the op, which runs routing.softmax_topk's
+    ATen ops in one call; with an allowed set (a staged set wider than K), the block's own."""
+
+    def __init__(self, block: MoEBlock, op: Callable[..., list[torch.Tensor]]):
+        self.block, self.op = block, op
+        self.norm = block.selector.norm_topk_prob
+
+    def __call__(self, logits: torch.Tensor, k: int | None = None, allowed=None):
+        if allowed is not None:
+            return self.block.select(logits, k, allowed)
+        return tuple(self.op(logits, k or self.block.top_k, self.norm))
+
+
 class NativeLayer:
     """A decoder layer's stand-in at decode: one token of one sequence, in fp32 or bf16 (the
     layer's weights in its dtype), through the op; anything else through the layer itself."""
 
-    def __init__(self, layer: DecoderLayer, op: Callable[..., list[torch.Tensor]], lanes: int):
-        self.layer, self.op, self.lanes = layer, op, lanes
+    def __init__(self, layer: DecoderLayer, ops: tuple[Callable, ...], lanes: int):
+        self.layer, self.lanes = layer, lanes
+        self.op, self.combine, topk = ops
+        block = layer.mlp_block
+        softmax = layer.is_moe and type(block.selector) is SoftmaxTopK
+        self.select = NativeSelect(block, topk) if softmax else None
         self.layout, self.isa = native.kernel_args()
         a = layer.mixer
         self.eps = a.q_norm.eps if a.qk_norm == "head" else 0.0
+        self._key, self._args = None, None
+
+    def _static(self) -> tuple[torch.dtype, tuple, tuple] | None:
+        """The op's arguments that do not change from token to token (the dtype of the
+        layer's weights; those before the rotary tables; those after the position), computed
+        again only when a projection or its adapter's state changed, or None if the op cannot
+        take a projection (an adapter of another kind swapped in)."""
+        layer, a = self.layer, self.layer.mixer
+        projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+        key = tuple((m, getattr(m, "enabled", None)) for m in projections)
+        if key != self._key:
+            self._key, self._args = key, None
+            parts = [_projection(m) for m in projections]
+            if None not in parts:
+                pre, post = layer.input_layernorm, layer.post_attention_layernorm
+                qk = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm == "head" else (None, None)
+                head = (pre.weight, pre.eps, post.weight, post.eps, *[p[0] for p in parts])
+                head += ([p[1] for p in parts], *qk, self.eps)
+                tail = (a.heads, a.kv_heads, a.head_dim, a.head_dim**-0.5, self.lanes)
+                self._args = pre.weight.dtype, head, (*tail, self.layout, self.isa)
+        return self._args
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd):
         layer, a, cache = self.layer, self.layer.mixer, fwd.cache
         cos, sin = rope
+        args = self._static()
         if (
-            x.shape[:2] != (1, 1)
+            args is None
+            or x.shape[:2] != (1, 1)
+            or x.dtype != args[0]
             or x.dtype not in (torch.float32, torch.bfloat16)
-            or layer.input_layernorm.weight.dtype != x.dtype
             or type(cache) is not KVCache
             or cos.shape[-1] != a.head_dim
             or cos.dtype != x.dtype
         ):
             return layer(x, rope, fwd)
-        parts = [_projection(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)]
-        if None in parts:  # a projection swapped since (an adapter of another kind)
-            return layer(x, rope, fwd)
-        norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm == "head" else (None, None)
         n = cache.length[a.layer]
         k_buf, v_buf = cache.slot(a.layer, 1)
-        pre, post = layer.input_layernorm, layer.post_attention_layernorm
         x, h = self.op(
-            x.contiguous(),
-            pre.weight,
-            pre.eps,
-            post.weight,
-            post.eps,
-            *[p[0] for p in parts],
-            [p[1] for p in parts],
-            *norms,
-            self.eps,
-            cos.contiguous(),
-            sin.contiguous(),
-            k_buf,
-            v_buf,
-            n,
-            a.heads,
-            a.kv_heads,
-            a.head_dim,
-            a.head_dim**-0.5,
-            self.lanes,
-            self.layout,
-            self.isa,
+            x.contiguous(), *args[1], cos.contiguous(), sin.contiguous(), k_buf, v_buf, n, *args[2]
         )
         cache.length[a.layer] = n + 1
         mlp = layer.mlp_block
-        return x + (mlp(h, fwd) if layer.is_moe else mlp(h))
+        if not layer.is_moe:
+            return x + mlp(h)
+        routed, weights, shared = mlp.parts(h.view(1, -1), fwd, self.select)
+        return self.combine(routed, weights, x, shared, self.lanes)
 
 
 def native_layers(model: nn.Module, cache_dir=None) -> dict[int, NativeLayer]:
@@ -130,9 +152,13 @@ def native_layers(model: nn.Module, cache_dir=None) -> dict[int, NativeLayer]:
     lanes = native.sum_lanes(cache_dir)
     if lanes is None:
         return {}
-    op = native.attention_block(cache_dir)
+    ops = (
+        native.attention_block(cache_dir),
+        native.moe_combine(cache_dir),
+        native.softmax_topk(cache_dir),
+    )
     return {
-        i: NativeLayer(layer, op, lanes)
+        i: NativeLayer(layer, ops, lanes)
         for i, layer in enumerate(model.backbone.layers)
         if servable(layer)
     }

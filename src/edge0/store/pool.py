@@ -67,6 +67,8 @@ class Entry:
     future: Future
     pins: int = 0
     failed: bool = field(default=False)
+    loaded: bool = False  # the read finished and its bytes are in the slot (future.done()
+    # says the same, at a lock's cost per call)
 
 
 class ExpertPool:
@@ -134,6 +136,9 @@ class ExpertPool:
         pool cannot hold them all at once (nothing is pinned then).
         """
         keys = [(layer, int(e)) for e in experts]
+        with self._lock:  # the common case at decode: every one of them resident or arriving
+            if all(k in self._entries for k in keys):
+                return self._pin(keys)[0]
         wanted = set(keys)
         while True:
             with self._lock:
@@ -220,6 +225,7 @@ class ExpertPool:
                 self.stats.bytes_read += got
                 self.stats.disk_ns += dt
             for en in run:
+                en.loaded = True
                 en.future.set_result(None)
         except BaseException as exc:  # handed to whoever waits on these entries
             log.error("reading layer %d experts %s failed: %s", layer, [e.key[1] for e in run], exc)
@@ -231,7 +237,7 @@ class ExpertPool:
 
     def wait(self, entries: Sequence[Entry]) -> list[ExpertTensors]:
         """Block until every entry is loaded; the time spent blocked is counted."""
-        pending = [en for en in entries if not en.future.done()]
+        pending = [en for en in entries if not en.loaded]
         if pending:
             t0 = time.perf_counter_ns()
             for en in pending:

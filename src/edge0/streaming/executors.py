@@ -90,7 +90,7 @@ class FusedExperts:
                 [a.p2 for a in ts],
             )
             rows.append(self.op(x[t : t + 1], *fields, self.layout, self.isa))  # [K, D]
-        return torch.stack(rows)  # [T, K, D]
+        return rows[0][None] if len(rows) == 1 else torch.stack(rows)  # [T, K, D]
 
 
 def decode_experts(kernel: str, cache_dir: Path | None = None) -> DecodeExperts:
