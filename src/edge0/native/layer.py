@@ -7,10 +7,10 @@ products with edge0's kernel, which computes torch's bit for bit; the norms with
 which adds in ATen's order), so it is bit-identical to it. An MoE block then routes and runs
 its experts as its own forward does, with the call's hooks (`MoEBlock.parts`), and
 `torch.ops.edge0.moe_combine` adds the weighted experts, the shared expert and the residual
-as the module path adds them; a dense MLP runs as the module's own. Served: RMSNorm
-layer norms, fp32 or bf16, and layers.py Attention with projections that are Int4Linear or a float
-nn.Linear (either under an enabled or disabled LoraLinear), q/k RMSNorm per head or none,
-full rotary. A layer with anything else (q/k norm over the whole projection or another norm,
+as the module path adds them; a dense MLP runs as the module's own. Served: RMSNorm layer
+norms, fp32 or bf16, and layers.py Attention with projections that are Int4Linear or a
+float nn.Linear (either under an enabled or disabled LoraLinear), q/k RMSNorm per head or
+none, full rotary. A layer with anything else (q/k norm over the whole projection or another norm,
 clipping, an output gate, a sliding window, partial rotary, biases) is not served, and
 neither is a forward of several tokens or rows: those take the module's own forward.
 
