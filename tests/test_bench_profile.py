@@ -14,12 +14,19 @@ from helpers import make_hf_model
     [
         ("aten::_weight_int4pack_mm_for_cpu", "int4 matmul kernel"),
         ("edge0::swiglu_int4_gemv", "int4 matmul kernel"),  # the native ops' own kernels
+        ("edge0::int4_gemv", "int4 matmul kernel"),
         ("aten::addmm", "dense matmul"),
         ("aten::scaled_dot_product_attention", "attention (sdpa)"),
         ("aten::to", "dtype casts, copies"),
         ("aten::t", profile.VIEWS),  # not "aten::to", not "aten::topk"
-        ("aten::topk", "routing: top-k, sort, one-hot"),
-        ("aten::silu", "elementwise (silu, mul, add, ...)"),
+        ("aten::topk", "routing: softmax, top-k, one-hot"),
+        ("aten::softmax", "routing: softmax, top-k, one-hot"),  # the router's, not attention's
+        ("edge0::softmax_topk", "routing: softmax, top-k, one-hot"),
+        ("edge0::rms_norm", "norms"),  # the native ops' loops are not matmuls
+        ("edge0::rotary", "elementwise (silu, mul, add, rotary, weighted sum, ...)"),
+        ("edge0::moe_combine", "elementwise (silu, mul, add, rotary, weighted sum, ...)"),
+        ("edge0::attention_block", "the native layer op's own work (checks, conversions)"),
+        ("aten::silu", "elementwise (silu, mul, add, rotary, weighted sum, ...)"),
         ("aten::lerp", profile.OTHER_OPS),
     ],
 )

@@ -22,16 +22,21 @@ from edge0.engine import EngineOptions, load_engine
 
 # (category, matmul?, substrings of aten op names), first match wins
 CATEGORIES = [
-    # edge0's native ops call their int4 kernels directly, so those ops' self time is the
-    # kernels (plus a few rounding loops); the ATen ops they call are profiled as themselves
-    ("int4 matmul kernel", True, ("_weight_int4pack_mm", "edge0::")),
+    # edge0's int4 ops' self time is their kernels (plus a few rounding loops); the native ops'
+    # norms, rotary and residual loops and the ATen ops they call are profiled as themselves
+    ("int4 matmul kernel", True, ("_weight_int4pack_mm", "edge0::int4_gemv", "edge0::swiglu")),
     ("dense matmul", True, ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "linear")),
-    ("attention (sdpa)", True, ("scaled_dot_product", "_flash_attention", "softmax")),
+    ("attention (sdpa)", True, ("scaled_dot_product", "_flash_attention")),
     ("norms", False, ("rms_norm", "aten::pow", "aten::mean", "aten::rsqrt", "layer_norm")),
-    ("routing: top-k, sort, one-hot", False, ("topk", "sort", "one_hot", "scatter", "argsort")),
+    ("routing: softmax, top-k, one-hot", False, ("topk", "softmax", "sort", "one_hot", "scatter")),
     ("dtype casts, copies", False, ("aten::to", "_to_copy", "copy_", "contiguous", "clone")),
     ("cat, stack, index, slice", False, ("cat", "stack", "index", "slice", "select", "gather")),
-    ("elementwise (silu, mul, add, ...)", False, ("silu", "mul", "add", "sigmoid", "div", "neg")),
+    (
+        "elementwise (silu, mul, add, rotary, weighted sum, ...)",
+        False,
+        ("silu", "mul", "add", "sigmoid", "div", "neg", "rotary", "residual", "moe_combine"),
+    ),
+    ("the native layer op's own work (checks, conversions)", False, ("edge0::attention_block",)),
 ]
 # views and allocations, by exact name (short names like aten::t would match others)
 VIEWS = "views, reshapes, allocations"

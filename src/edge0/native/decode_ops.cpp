@@ -12,6 +12,7 @@
 // edge0::softmax_topk and edge0::moe_combine: the same layer's routing (the softmax families')
 // and its weighted sum of experts and residual.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "int4_gemv.h"
@@ -117,12 +118,15 @@ std::vector<at::Tensor> attention_block(
     k = edge0::rms_norm(k.to(dtype), *k_norm, eps, lanes).to(at::kFloat).contiguous();
   }
   const at::Tensor cf = floats(cos), sf = floats(sin);
-  for (int64_t i = 0; i < heads; ++i)
-    rotary(q.data_ptr<float>() + i * head_dim, cf.data_ptr<float>(), sf.data_ptr<float>(),
-           head_dim, bf16);
-  for (int64_t g = 0; g < kv_heads; ++g)
-    rotary(k.data_ptr<float>() + g * head_dim, cf.data_ptr<float>(), sf.data_ptr<float>(),
-           head_dim, bf16);
+  {
+    RECORD_FUNCTION("edge0::rotary", std::vector<c10::IValue>());
+    for (int64_t i = 0; i < heads; ++i)
+      rotary(q.data_ptr<float>() + i * head_dim, cf.data_ptr<float>(), sf.data_ptr<float>(),
+             head_dim, bf16);
+    for (int64_t g = 0; g < kv_heads; ++g)
+      rotary(k.data_ptr<float>() + g * head_dim, cf.data_ptr<float>(), sf.data_ptr<float>(),
+             head_dim, bf16);
+  }
   // the token's key and value at position n (its values are exact in the cache's dtype)
   k_cache.select(2, n).copy_(k.view({1, kv_heads, head_dim}));
   v_cache.select(2, n).copy_(qkv[2].view({1, kv_heads, head_dim}));
@@ -133,9 +137,12 @@ std::vector<at::Tensor> attention_block(
       project(out.transpose(1, 2).reshape({1, 1, -1}), {o_proj}, lora_scale.slice(3), layout,
               isa)[0]);
   at::Tensor x1 = floats(x);
-  float* xp = x1.data_ptr<float>();
-  const float* op = o.data_ptr<float>();
-  for (int64_t i = 0; i < x1.numel(); ++i) xp[i] = edge0::round_to(xp[i] + op[i], bf16);
+  {
+    RECORD_FUNCTION("edge0::residual", std::vector<c10::IValue>());
+    float* xp = x1.data_ptr<float>();
+    const float* op = o.data_ptr<float>();
+    for (int64_t i = 0; i < x1.numel(); ++i) xp[i] = edge0::round_to(xp[i] + op[i], bf16);
+  }
   const at::Tensor x_out = x1.to(dtype);
   return {x_out, edge0::rms_norm(x_out, post_norm, post_eps, lanes)};
 }

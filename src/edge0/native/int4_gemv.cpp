@@ -20,6 +20,7 @@
 // edge0::int4_gemv: one projection, y = x W^T, for a few rows of x.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "int4_gemv.h"
@@ -340,6 +341,8 @@ namespace edge0 {
 std::vector<at::Tensor> int4_gemv_each(const at::Tensor& x, at::TensorList packed,
                                        at::TensorList pairs, at::IntArrayRef layout,
                                        int64_t isa_code) {
+  // its own row in a profile, also when another native op calls it
+  RECORD_FUNCTION("edge0::int4_gemv", std::vector<c10::IValue>());
   const Isa isa = checked(isa_code);
   TORCH_CHECK(packed.size() == pairs.size(), "one pairs tensor per packed matrix");
   const int64_t k = x.size(-1), rows = k ? x.numel() / k : 0;

@@ -6,6 +6,7 @@
 // contraction (-ffp-contract=off) reproduces exactly. The mean is ATen's sum of the squares
 // divided by n, added in ATen's order (norms.h).
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "norms.h"
@@ -31,6 +32,7 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes) {
+  RECORD_FUNCTION("edge0::rms_norm", std::vector<c10::IValue>());  // its own row in a profile
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
               "rms_norm takes fp32 or bf16 rows and a weight of their dtype");

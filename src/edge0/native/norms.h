@@ -102,7 +102,16 @@ float inner_sum(int64_t n, int64_t lanes, F f) {
 template <class F>
 void outer_sum(int64_t k, int64_t d, int64_t lanes, F f, float* out) {
   const int64_t cascaded = d / (4 * lanes) * (4 * lanes);
-  for (int64_t c = 0; c < d; ++c) {
+  int64_t c = 0;
+  if (k < 16) {
+    // fewer rows than a level's 16 steps: the cascade is one running sum from +0 (its other
+    // levels stay +0, and adding +0 to a sum that started at +0 changes nothing), so the
+    // columns can run side by side, row after row
+    for (; c < cascaded; ++c) out[c] = 0.0f;
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = 0; j < cascaded; ++j) out[j] = out[j] + f(i, j);
+  }
+  for (; c < d; ++c) {
     auto column = [&](int64_t i) { return f(i, c); };
     out[c] = 0.0f + (c < cascaded ? sums::cascade(k, column) : sums::row_sum(k, column));
   }
