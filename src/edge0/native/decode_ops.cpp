@@ -18,6 +18,7 @@
 #include "int4_gemv.h"
 #include "norms.h"
 
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -62,20 +63,44 @@ std::vector<at::Tensor> project(const at::Tensor& x, const std::vector<at::Tenso
 // x * cos + rotate_half(x) * sin, each product and the sum rounded as the ATen ops round them
 // (to bf16 with `bf16`).
 void rotary(float* x, const float* cos, const float* sin, int64_t dim, bool bf16) {
+  auto rot = [&](float v, float rotated, int64_t d) {
+    const float a = edge0::round_to(v * cos[d], bf16);
+    const float b = edge0::round_to(rotated * sin[d], bf16);
+    return edge0::round_to(a + b, bf16);
+  };
   const int64_t half = dim / 2;
-  std::vector<float> rotated(dim);
-  for (int64_t d = 0; d < dim; ++d) rotated[d] = d < half ? -x[d + half] : x[d - half];
-  for (int64_t d = 0; d < dim; ++d) {
-    const float a = edge0::round_to(x[d] * cos[d], bf16);
-    const float b = edge0::round_to(rotated[d] * sin[d], bf16);
-    x[d] = edge0::round_to(a + b, bf16);
+  for (int64_t d = 0; d < half; ++d) {  // rotate_half(x) is [-x2, x1]
+    const float x1 = x[d], x2 = x[d + half];
+    x[d] = rot(x1, -x2, d);
+    x[d + half] = rot(x2, x1, d + half);
   }
 }
 
-// A tensor's values as a contiguous float tensor of its own (written to in place).
+// A tensor's values as contiguous floats: the tensor itself if it is so already (to read),
+// else a converted copy.
 at::Tensor floats(const at::Tensor& t) {
-  at::Tensor f = t.to(at::kFloat).contiguous();
-  return f.data_ptr() == t.data_ptr() ? f.clone() : f;
+  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+}
+
+// Writes the float row `src` [dim] into position n of head g of a cache [1, G, max, dim] in
+// its dtype (the values are exact in it: rounded where the reference rounds).
+void store_row(at::Tensor& cache, int64_t g, int64_t n, const float* src, int64_t dim) {
+  const int64_t at = (g * cache.size(2) + n) * dim;
+  if (cache.scalar_type() == at::kFloat) {
+    std::memcpy(cache.data_ptr<float>() + at, src, dim * sizeof(float));
+  } else {
+    c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + at;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = c10::BFloat16(src[d]);
+  }
+}
+
+// RMSNorm of the rows of a float buffer in place, with the weight in the compute dtype.
+void norm_in_place(at::Tensor& rows, const at::Tensor& weight, double eps, int64_t lanes,
+                   bool bf16) {
+  const at::Tensor w = floats(weight);
+  const int64_t n = rows.size(-1);
+  edge0::rms_norm_rows(rows.data_ptr<float>(), w.data_ptr<float>(), rows.data_ptr<float>(),
+                       rows.numel() / n, n, static_cast<float>(eps), lanes, bf16);
 }
 
 // edge0::attention_block: blocks.py DecoderLayer's attention half for one decode token of
@@ -85,7 +110,8 @@ at::Tensor floats(const at::Tensor& t) {
 // same order, its key and value written at position n of the cache buffers [1, G, max, Dh],
 // SDPA over positions 0..n. The norms, the rotary and the residual are loops over floats that
 // round where the module's ops round (norms.cpp; `lanes`: native.sum_lanes), the products
-// edge0's int4 kernels or ATen's, SDPA ATen's: bit-identical to the module path.
+// edge0's int4 kernels or ATen's, SDPA ATen's: bit-identical to the module path. In fp32 it
+// works on the tensors' memory directly, without conversions.
 std::vector<at::Tensor> attention_block(
     const at::Tensor& x, const at::Tensor& input_norm, double input_eps,
     const at::Tensor& post_norm, double post_eps, at::TensorList q_proj, at::TensorList k_proj,
@@ -111,39 +137,45 @@ std::vector<at::Tensor> attention_block(
   TORCH_CHECK(n < k_cache.size(2), "position ", n, " is past the cache");
   const at::Tensor h = edge0::rms_norm(x, input_norm, input_eps, lanes);
   const auto qkv = project(h, {q_proj, k_proj, v_proj}, lora_scale.slice(0, 3), layout, isa);
+  // the projections' results are fresh tensors: q and k are normalised and rotated in place
   at::Tensor q = floats(qkv[0]).view({heads, head_dim});
   at::Tensor k = floats(qkv[1]).view({kv_heads, head_dim});
+  const at::Tensor v = floats(qkv[2]);
   if (q_norm.has_value()) {
-    q = edge0::rms_norm(q.to(dtype), *q_norm, eps, lanes).to(at::kFloat).contiguous();
-    k = edge0::rms_norm(k.to(dtype), *k_norm, eps, lanes).to(at::kFloat).contiguous();
+    RECORD_FUNCTION("edge0::rms_norm", std::vector<c10::IValue>());
+    norm_in_place(q, *q_norm, eps, lanes, bf16);
+    norm_in_place(k, *k_norm, eps, lanes, bf16);
   }
-  const at::Tensor cf = floats(cos), sf = floats(sin);
   {
     RECORD_FUNCTION("edge0::rotary", std::vector<c10::IValue>());
+    const at::Tensor cf = floats(cos), sf = floats(sin);
+    const float* c = cf.data_ptr<float>();
+    const float* s = sf.data_ptr<float>();
     for (int64_t i = 0; i < heads; ++i)
-      rotary(q.data_ptr<float>() + i * head_dim, cf.data_ptr<float>(), sf.data_ptr<float>(),
-             head_dim, bf16);
-    for (int64_t g = 0; g < kv_heads; ++g)
-      rotary(k.data_ptr<float>() + g * head_dim, cf.data_ptr<float>(), sf.data_ptr<float>(),
-             head_dim, bf16);
+      rotary(q.data_ptr<float>() + i * head_dim, c, s, head_dim, bf16);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      float* kg = k.data_ptr<float>() + g * head_dim;
+      rotary(kg, c, s, head_dim, bf16);
+      // the token's key and value at position n
+      store_row(k_cache, g, n, kg, head_dim);
+      store_row(v_cache, g, n, v.data_ptr<float>() + g * head_dim, head_dim);
+    }
   }
-  // the token's key and value at position n (its values are exact in the cache's dtype)
-  k_cache.select(2, n).copy_(k.view({1, kv_heads, head_dim}));
-  v_cache.select(2, n).copy_(qkv[2].view({1, kv_heads, head_dim}));
   const at::Tensor out = at::scaled_dot_product_attention(
-      q.to(dtype).view({1, heads, 1, head_dim}), k_cache.narrow(2, 0, n + 1),
+      (bf16 ? q.to(dtype) : q).view({1, heads, 1, head_dim}), k_cache.narrow(2, 0, n + 1),
       v_cache.narrow(2, 0, n + 1), std::nullopt, 0.0, false, scale, kv_heads != heads);
-  const at::Tensor o = floats(
-      project(out.transpose(1, 2).reshape({1, 1, -1}), {o_proj}, lora_scale.slice(3), layout,
-              isa)[0]);
-  at::Tensor x1 = floats(x);
+  const at::Tensor o = floats(project(out.transpose(1, 2).reshape({1, 1, -1}), {o_proj},
+                                      lora_scale.slice(3), layout, isa)[0]);
+  at::Tensor x1 = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   {
     RECORD_FUNCTION("edge0::residual", std::vector<c10::IValue>());
-    float* xp = x1.data_ptr<float>();
+    const at::Tensor xf = floats(x);
+    const float* xp = xf.data_ptr<float>();
     const float* op = o.data_ptr<float>();
-    for (int64_t i = 0; i < x1.numel(); ++i) xp[i] = edge0::round_to(xp[i] + op[i], bf16);
+    float* yp = x1.data_ptr<float>();
+    for (int64_t i = 0; i < x1.numel(); ++i) yp[i] = edge0::round_to(xp[i] + op[i], bf16);
   }
-  const at::Tensor x_out = x1.to(dtype);
+  const at::Tensor x_out = bf16 ? x1.to(dtype) : x1;
   return {x_out, edge0::rms_norm(x_out, post_norm, post_eps, lanes)};
 }
 
@@ -163,8 +195,8 @@ at::Tensor moe_combine(const at::Tensor& routed, const at::Tensor& weights, cons
   const int64_t k = routed.size(1), d = routed.size(2);
   TORCH_CHECK(x.numel() == d && weights.numel() == k, "x must be one row of D, weights [1, K]");
   TORCH_CHECK(lanes >= 1 && lanes <= edge0::kMaxLanes, "lanes must be 1 to ", edge0::kMaxLanes);
-  const at::Tensor r = routed.to(at::kFloat).contiguous();
-  const at::Tensor w = weights.to(at::kFloat).contiguous();
+  const at::Tensor r = floats(routed);
+  const at::Tensor w = floats(weights);
   const float* rp = r.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   std::vector<float> wk(k), y(d);
@@ -181,10 +213,12 @@ at::Tensor moe_combine(const at::Tensor& routed, const at::Tensor& weights, cons
     const float* sp = sf.data_ptr<float>();
     for (int64_t c = 0; c < d; ++c) y[c] = edge0::round_to(y[c] + sp[c], bf16);
   }
-  at::Tensor out = floats(x);
+  const at::Tensor xf = floats(x);
+  const float* xp = xf.data_ptr<float>();
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-  for (int64_t c = 0; c < d; ++c) op[c] = edge0::round_to(op[c] + y[c], bf16);
-  return out.to(dtype);
+  for (int64_t c = 0; c < d; ++c) op[c] = edge0::round_to(xp[c] + y[c], bf16);
+  return bf16 ? out.to(dtype) : out;
 }
 
 // edge0::softmax_topk: routing.py softmax_topk without an allowed set, its ATen ops in one

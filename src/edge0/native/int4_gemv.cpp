@@ -271,7 +271,8 @@ void run(Isa isa, const std::vector<Job>& jobs) {
 
 // Float rows rounded to bf16, as .to(torch.bfloat16) rounds them.
 std::vector<float> rounded(const at::Tensor& x) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xf =
+      x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
   const float* p = xf.data_ptr<float>();
   std::vector<float> out(xf.numel());
   for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_round(p[i]);
@@ -327,7 +328,7 @@ at::Tensor swiglu_int4_gemv(const at::Tensor& x, at::TensorList w13, at::TensorL
     down[e] = {m, down_segs, h.data() + e * width, out.data_ptr<float>() + e * d};
   }
   run(isa, down);
-  return out.to(x.scalar_type());
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
 bool isa_supported(int64_t isa) {
@@ -360,7 +361,8 @@ std::vector<at::Tensor> int4_gemv_each(const at::Tensor& x, at::TensorList packe
   for (at::Tensor& out : outs) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
     shape.push_back(out.size(1));
-    out = out.view(shape).to(x.scalar_type());
+    out = out.view(shape);
+    if (x.scalar_type() != at::kFloat) out = out.to(x.scalar_type());
   }
   return outs;
 }
