@@ -66,15 +66,22 @@ class MoEBlock(nn.Module):
         predictions into experts with this same method."""
         return self.selector(logits, k or self.top_k, self.gate, allowed)
 
+    def route(
+        self, h: torch.Tensor, fwd: Forward
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, D] -> the routing logits [T, E] (the router's, or the call's prediction) and
+        the weights and indices [T, K] they select."""
+        logits = fwd.router_logits(self.layer, h, self.gate)  # a prediction replaces the router
+        weights, indices = self.select(logits, allowed=fwd.allowed.get(self.layer))
+        return logits, weights, indices
+
     def parts(
-        self, h: torch.Tensor, fwd: Forward, select: Callable | None = None
+        self, h: torch.Tensor, fwd: Forward, route: Callable | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What the block sums, h [T, D] -> each token's routed experts [T, K, D], their
-        weights [T, K] and the shared expert's output [T, D] (None without one). `select`
+        weights [T, K] and the shared expert's output [T, D] (None without one). `route`
         stands in for the block's (the same function, computed another way)."""
-        logits = fwd.router_logits(self.layer, h, self.gate)  # a prediction replaces the router
-        select = select or self.select
-        weights, indices = select(logits, allowed=fwd.allowed.get(self.layer))
+        logits, weights, indices = (route or self.route)(h, fwd)
         fwd.routed(self.layer, h, logits, indices)
         routed = fwd.experts(self.layer, self.experts)(h, indices)  # [T, K, D]
         s = None

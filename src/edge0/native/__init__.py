@@ -9,6 +9,7 @@ remove is the Python, the dispatch and the dtype round trips between that path's
   torch.ops.edge0.attention_block   a decode token of one sequence through a decoder layer's
                                     norm, GQA attention, residual and post-attention norm
                                     (decode_ops.cpp; native/layer.py says which layers)
+  torch.ops.edge0.router_topk       an MoE block's router and routing.softmax_topk's ATen ops
   torch.ops.edge0.softmax_topk      routing.softmax_topk's ATen ops (decode_ops.cpp)
   torch.ops.edge0.moe_combine       the weighted sum of a token's experts, its shared expert
                                     and the residual (decode_ops.cpp)
@@ -197,6 +198,13 @@ def moe_combine(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
     (routed [1, K, D], weights [1, K], x [..., D], shared [1, D] or None, lanes) -> x's shape."""
     _load(cache_dir)
     return torch.ops.edge0.moe_combine
+
+
+def router_topk(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
+    """The op, built and loaded if need be: (h [T, D], gate weight [E, D], k, norm_topk_prob)
+    -> [logits, weights, indices], as a bias-free router and routing.softmax_topk."""
+    _load(cache_dir)
+    return torch.ops.edge0.router_topk
 
 
 def softmax_topk(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:

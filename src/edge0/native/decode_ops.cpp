@@ -9,8 +9,9 @@
 // So the result is bit-identical to the reference; what the op saves is the ~100 ATen ops,
 // the Python and the dispatch between them.
 //
-// edge0::softmax_topk and edge0::moe_combine: the same layer's routing (the softmax families')
-// and its weighted sum of experts and residual.
+// edge0::router_topk, edge0::softmax_topk and edge0::moe_combine: the same layer's routing
+// (the softmax families', with its own router or a prediction) and its weighted sum of
+// experts and residual.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
@@ -230,6 +231,15 @@ std::vector<at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool n
   return {weights.to(logits.scalar_type()), indices};
 }
 
+// edge0::router_topk: an MoE block's own router (a bias-free nn.Linear, h [T, D] -> logits
+// [T, E]) and softmax_topk of its logits in one call -> (logits, weights, indices).
+std::vector<at::Tensor> router_topk(const at::Tensor& h, const at::Tensor& gate, int64_t k,
+                                    bool norm_topk_prob) {
+  const at::Tensor logits = at::linear(h, gate);
+  auto routed = softmax_topk(logits, k, norm_topk_prob);
+  return {logits, routed[0], routed[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edge0, m) {
@@ -243,10 +253,12 @@ TORCH_LIBRARY(edge0, m) {
       "moe_combine(Tensor routed, Tensor weights, Tensor x, Tensor? shared, int lanes) -> "
       "Tensor");
   m.def("softmax_topk(Tensor logits, int k, bool norm_topk_prob) -> Tensor[]");
+  m.def("router_topk(Tensor h, Tensor gate, int k, bool norm_topk_prob) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(edge0, CPU, m) {
   m.impl("attention_block", &attention_block);
   m.impl("moe_combine", &moe_combine);
   m.impl("softmax_topk", &softmax_topk);
+  m.impl("router_topk", &router_topk);
 }

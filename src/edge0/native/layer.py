@@ -5,7 +5,8 @@ attention half for one token of one sequence, `x + attention(input_norm(x))` and
 post-attention norm, with the operations of the module path in the same order (the int4
 products with edge0's kernel, which computes torch's bit for bit; the norms with norms.cpp,
 which adds in ATen's order), so it is bit-identical to it. An MoE block then routes and runs
-its experts as its own forward does, with the call's hooks (`MoEBlock.parts`), and
+its experts as its own forward does, with the call's hooks (`MoEBlock.parts`; its softmax
+routing through `torch.ops.edge0.router_topk` or `softmax_topk`), and
 `torch.ops.edge0.moe_combine` adds the weighted experts, the shared expert and the residual
 as the module path adds them; a dense MLP runs as the module's own. Served: RMSNorm layer
 norms, fp32 or bf16, and layers.py Attention with projections that are Int4Linear or a
@@ -70,18 +71,29 @@ def servable(layer: nn.Module) -> bool:
     return all(_projection(m) is not None for m in projections)
 
 
-class NativeSelect:
-    """An MoE block's softmax top-k routing through the op, which runs routing.softmax_topk's
-    ATen ops in one call; with an allowed set (a staged set wider than K), the block's own."""
+class NativeRoute:
+    """An MoE block's softmax top-k routing through the ops, which run its ATen ops in one
+    call: the block's own router with routing.softmax_topk (edge0::router_topk), or
+    softmax_topk of the call's prediction; with an allowed set (a staged set wider than K),
+    or a router of another kind, the block's own routing."""
 
-    def __init__(self, block: MoEBlock, op: Callable[..., list[torch.Tensor]]):
-        self.block, self.op = block, op
+    def __init__(self, block: MoEBlock, router_topk: Callable, softmax_topk: Callable):
+        self.block, self.router_topk, self.softmax_topk = block, router_topk, softmax_topk
         self.norm = block.selector.norm_topk_prob
+        gate = block.gate
+        self.gate = gate.weight if type(gate) is nn.Linear and gate.bias is None else None
 
-    def __call__(self, logits: torch.Tensor, k: int | None = None, allowed=None):
-        if allowed is not None:
-            return self.block.select(logits, k, allowed)
-        return tuple(self.op(logits, k or self.block.top_k, self.norm))
+    def __call__(self, h: torch.Tensor, fwd) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        block = self.block
+        if block.layer in fwd.allowed:
+            return block.route(h, fwd)
+        logits = fwd.predicted.get(block.layer)  # a prediction replaces the router
+        if logits is not None:
+            return logits, *self.softmax_topk(logits, block.top_k, self.norm)
+        if self.gate is None or self.gate.dtype != h.dtype:
+            return block.route(h, fwd)
+        logits, weights, indices = self.router_topk(h, self.gate, block.top_k, self.norm)
+        return logits, weights, indices
 
 
 class NativeLayer:
@@ -90,10 +102,10 @@ class NativeLayer:
 
     def __init__(self, layer: DecoderLayer, ops: tuple[Callable, ...], lanes: int):
         self.layer, self.lanes = layer, lanes
-        self.op, self.combine, topk = ops
+        self.op, self.combine, router_topk, softmax_topk = ops
         block = layer.mlp_block
         softmax = layer.is_moe and type(block.selector) is SoftmaxTopK
-        self.select = NativeSelect(block, topk) if softmax else None
+        self.route = NativeRoute(block, router_topk, softmax_topk) if softmax else None
         self.layout, self.isa = native.kernel_args()
         a = layer.mixer
         self.eps = a.q_norm.eps if a.qk_norm == "head" else 0.0
@@ -142,7 +154,7 @@ class NativeLayer:
         mlp = layer.mlp_block
         if not layer.is_moe:
             return x + mlp(h)
-        routed, weights, shared = mlp.parts(h.view(1, -1), fwd, self.select)
+        routed, weights, shared = mlp.parts(h.view(1, -1), fwd, self.route)
         return self.combine(routed, weights, x, shared, self.lanes)
 
 
@@ -155,6 +167,7 @@ def native_layers(model: nn.Module, cache_dir=None) -> dict[int, NativeLayer]:
     ops = (
         native.attention_block(cache_dir),
         native.moe_combine(cache_dir),
+        native.router_topk(cache_dir),
         native.softmax_topk(cache_dir),
     )
     return {
