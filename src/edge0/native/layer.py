@@ -34,6 +34,8 @@ from edge0.models.int4 import Int4Linear
 from edge0.models.layers import Attention, KVCache, RMSNorm
 from edge0.routing import SoftmaxTopK
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
 
 def _projection(m: nn.Module) -> tuple[list[torch.Tensor], float] | None:
     """The op's tensors for one projection and its LoRA scale, or None if it cannot take it."""
@@ -117,8 +119,9 @@ class NativeLayer:
         again only when a projection or its adapter's state changed, or None if the op cannot
         take a projection (an adapter of another kind swapped in)."""
         layer, a = self.layer, self.layer.mixer
-        projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
-        key = tuple((m, getattr(m, "enabled", None)) for m in projections)
+        modules = a._modules  # (nn.Module's attribute lookup costs several dict lookups)
+        projections = [modules[name] for name in PROJECTIONS]
+        key = tuple([(m, getattr(m, "enabled", None)) for m in projections])
         if key != self._key:
             self._key, self._args = key, None
             parts = [_projection(m) for m in projections]
