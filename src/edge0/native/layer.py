@@ -109,7 +109,8 @@ class NativeLayer:
         softmax = layer.is_moe and type(block.selector) is SoftmaxTopK
         self.route = NativeRoute(block, router_topk, softmax_topk) if softmax else None
         self.layout, self.isa = native.kernel_args()
-        a = layer.mixer
+        a = self.mixer = layer.mixer
+        self.mlp, self.is_moe = block, layer.is_moe
         self.eps = a.q_norm.eps if a.qk_norm == "head" else 0.0
         self._key, self._args = None, None
 
@@ -118,7 +119,7 @@ class NativeLayer:
         layer's weights; those before the rotary tables; those after the position), computed
         again only when a projection or its adapter's state changed, or None if the op cannot
         take a projection (an adapter of another kind swapped in)."""
-        layer, a = self.layer, self.layer.mixer
+        layer, a = self.layer, self.mixer
         modules = a._modules  # (nn.Module's attribute lookup costs several dict lookups)
         projections = [modules[name] for name in PROJECTIONS]
         key = tuple([(m, getattr(m, "enabled", None)) for m in projections])
@@ -135,7 +136,7 @@ class NativeLayer:
         return self._args
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd):
-        layer, a, cache = self.layer, self.layer.mixer, fwd.cache
+        a, cache = self.mixer, fwd.cache
         cos, sin = rope
         args = self._static()
         if (
@@ -147,17 +148,14 @@ class NativeLayer:
             or cos.shape[-1] != a.head_dim
             or cos.dtype != x.dtype
         ):
-            return layer(x, rope, fwd)
+            return self.layer(x, rope, fwd)
         n = cache.length[a.layer]
         k_buf, v_buf = cache.slot(a.layer, 1)
-        x, h = self.op(
-            x.contiguous(), *args[1], cos.contiguous(), sin.contiguous(), k_buf, v_buf, n, *args[2]
-        )
+        x, h = self.op(x, *args[1], cos, sin, k_buf, v_buf, n, *args[2])  # (it takes any strides)
         cache.length[a.layer] = n + 1
-        mlp = layer.mlp_block
-        if not layer.is_moe:
-            return x + mlp(h)
-        routed, weights, shared = mlp.parts(h.view(1, -1), fwd, self.route)
+        if not self.is_moe:
+            return x + self.mlp(h)
+        routed, weights, shared = self.mlp.parts(h.view(1, -1), fwd, self.route)
         return self.combine(routed, weights, x, shared, self.lanes)
 
 

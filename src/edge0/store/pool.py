@@ -137,8 +137,11 @@ class ExpertPool:
         """
         keys = [(layer, int(e)) for e in experts]
         with self._lock:  # the common case at decode: every one of them resident or arriving
-            if all(k in self._entries for k in keys):
-                return self._pin(keys)[0]
+            present = [self._entries.get(k) for k in keys]
+            if None not in present:
+                for entry in present:
+                    self._pin_present(entry)
+                return present
         wanted = set(keys)
         while True:
             with self._lock:
@@ -181,10 +184,7 @@ class ExpertPool:
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None:
-                self._entries.move_to_end(key)
-                self.stats.hits += 1
-                self._pinned += entry.pins == 0
-                entry.pins += 1
+                self._pin_present(entry)
                 found[key] = entry
         missing = []
         for key in keys:
@@ -201,6 +201,13 @@ class ExpertPool:
                 self._pinned += 1
                 missing.append(entry)
         return [found[k] for k in keys], missing
+
+    def _pin_present(self, entry: Entry) -> None:
+        """Under the lock: one more pin on an entry present in the pool (most recently used)."""
+        self._entries.move_to_end(entry.key)
+        self.stats.hits += 1
+        self._pinned += entry.pins == 0
+        entry.pins += 1
 
     def _take_slot(self) -> int:
         if self._free:
