@@ -540,3 +540,46 @@ def test_sigterm_lets_the_running_request_finish(model_dir):
         code, out = server.finish()
     assert code == 0, out
     assert "stopped serving" in out
+
+
+def test_a_stream_whose_client_left_during_a_send_closes_its_generator():
+    """A disconnect that lands in the response's send (ASGI 2.4: send raises OSError) left
+    starlette's stream suspended at its generator's yield, so the generator's `finally`
+    (which cancels the generation and counts the outcome) waited for garbage collection, and
+    a cancelled stream could go uncounted for seconds: test_server's disconnect test failed
+    now and then. EventStream closes its generator however the response ends."""
+    import asyncio
+    import gc
+
+    from starlette.requests import ClientDisconnect
+
+    from edge0.server.jobs import EventStream
+
+    closed = []
+
+    async def events():
+        try:
+            for i in range(100):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.append(True)
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            raise OSError("the client is gone")
+
+    async def serve() -> list:
+        response = EventStream(events())
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        with pytest.raises(ClientDisconnect):
+            await response(scope, receive, send)
+        return list(closed)  # before asyncio.run's own clean-up closes leftover generators
+
+    gc.disable()  # nothing may finalize the generator behind the response's back
+    try:
+        assert asyncio.run(serve()) == [True]
+    finally:
+        gc.enable()

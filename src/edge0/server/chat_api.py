@@ -10,12 +10,12 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from edge0.prompt import ChatPrompt, template_messages
 from edge0.reasoning import REASONING, ThinkSplitter
 from edge0.server.errors import bad_request, error_body
-from edge0.server.jobs import shutting_down, sse, token_budget
+from edge0.server.jobs import EventStream, shutting_down, sse, token_budget
 from edge0.server.logprobs import TokenLogprob
 from edge0.server.protocol import ChatCompletionRequest
 from edge0.server.state import ServerState, new_id, now
@@ -111,11 +111,8 @@ async def chat_completions(
     meta = {"id": new_id("chatcmpl"), "created": now(), "model": state.model_name}
     if body.stream:
         stream = _stream(state, body, pending, output, meta, len(prompt.ids))
-        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(stream)
     return await _whole(state, pending, output, meta, len(prompt.ids), request, top is not None)
-
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def _whole(state, pending, output, meta, n_prompt, request, want_logprobs) -> Response:

@@ -6,12 +6,12 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from edge0.limits import COMPLETIONS_MAX_TOKENS
-from edge0.server.chat_api import SSE_HEADERS, usage
+from edge0.server.chat_api import usage
 from edge0.server.errors import bad_request, error_body
-from edge0.server.jobs import shutting_down, sse, token_budget
+from edge0.server.jobs import EventStream, shutting_down, sse, token_budget
 from edge0.server.logprobs import TokenLogprob, legacy_logprobs
 from edge0.server.protocol import CompletionRequest
 from edge0.server.state import ServerState, new_id, now
@@ -56,11 +56,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     meta = {"id": new_id("cmpl"), "created": now(), "model": state.model_name}
     echo = text if body.echo else ""
     if body.stream:
-        return StreamingResponse(
-            _stream(state, body, pending, meta, len(ids), echo),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+        return EventStream(_stream(state, body, pending, meta, len(ids), echo))
     tokens, done = await state.collect(ENDPOINT, pending, request)
     logprobs = None
     if body.logprobs is not None:

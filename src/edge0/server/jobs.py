@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from edge0.sampling import SamplingParams
 from edge0.server.errors import APIError, bad_request
@@ -209,3 +211,25 @@ async def _cancel_on_disconnect(request: Request, pending: Pending) -> None:
 def sse(data: dict | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream that closes its generator however the response ends.
+
+    When a client's disconnect lands in starlette's `send` (not in the generator), starlette
+    leaves the generator suspended at a `yield`; its `finally` (cancelling the generation,
+    counting the outcome) then waited for the garbage collector, so a cancelled stream could
+    go uncounted for as long as no collection ran.
+    """
+
+    def __init__(self, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
