@@ -208,8 +208,8 @@ def router_topk(cache_dir: Path | None = None) -> Callable[..., list[torch.Tenso
 
 
 def softmax_topk(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
-    """The op, built and loaded if need be: (logits [T, E], k, norm_topk_prob) -> [weights,
-    indices], as routing.softmax_topk without an allowed set."""
+    """The op, built and loaded if need be: (logits [T, E], k, norm_topk_prob, allowed
+    [T, E] bool or None) -> [weights, indices], as routing.softmax_topk."""
     _load(cache_dir)
     return torch.ops.edge0.softmax_topk
 

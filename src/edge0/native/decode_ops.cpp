@@ -222,11 +222,18 @@ at::Tensor moe_combine(const at::Tensor& routed, const at::Tensor& weights, cons
   return bf16 ? out.to(dtype) : out;
 }
 
-// edge0::softmax_topk: routing.py softmax_topk without an allowed set, its ATen ops in one
-// call: logits [T, E] -> (weights [T, K] in the logits' dtype, indices [T, K]).
-std::vector<at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool norm_topk_prob) {
+// edge0::softmax_topk: routing.py softmax_topk, its ATen ops in one call: logits [T, E] (and
+// the allowed experts, bool [T, E], if any) -> (weights [T, K] in the logits' dtype, indices).
+std::vector<at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool norm_topk_prob,
+                                     const std::optional<at::Tensor>& allowed) {
   const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
-  auto [weights, indices] = at::topk(probs, k, -1);
+  at::Tensor weights, indices;
+  if (allowed.has_value()) {
+    indices = std::get<1>(at::topk(probs.masked_fill(allowed->logical_not(), -1.0), k, -1));
+    weights = probs.gather(-1, indices);
+  } else {
+    std::tie(weights, indices) = at::topk(probs, k, -1);
+  }
   if (norm_topk_prob) weights = weights / weights.sum(-1, true);
   return {weights.to(logits.scalar_type()), indices};
 }
@@ -236,7 +243,7 @@ std::vector<at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool n
 std::vector<at::Tensor> router_topk(const at::Tensor& h, const at::Tensor& gate, int64_t k,
                                     bool norm_topk_prob) {
   const at::Tensor logits = at::linear(h, gate);
-  auto routed = softmax_topk(logits, k, norm_topk_prob);
+  auto routed = softmax_topk(logits, k, norm_topk_prob, std::nullopt);
   return {logits, routed[0], routed[1]};
 }
 
@@ -252,7 +259,7 @@ TORCH_LIBRARY(edge0, m) {
   m.def(
       "moe_combine(Tensor routed, Tensor weights, Tensor x, Tensor? shared, int lanes) -> "
       "Tensor");
-  m.def("softmax_topk(Tensor logits, int k, bool norm_topk_prob) -> Tensor[]");
+  m.def("softmax_topk(Tensor logits, int k, bool norm_topk_prob, Tensor? allowed) -> Tensor[]");
   m.def("router_topk(Tensor h, Tensor gate, int k, bool norm_topk_prob) -> Tensor[]");
 }
 
