@@ -24,6 +24,8 @@
 
 namespace {
 
+using edge0::floats;
+
 // Projections as models/int4.py Int4Linear, nn.Linear and lora.py LoraLinear compute them.
 // Each `p`: [packed, pairs] (int4) or [weight] (float), then [lora_A, lora_B] if it has an
 // adapter, whose output is scaled by its `lora_scale`. The int4 ones take one parallel region.
@@ -75,12 +77,6 @@ void rotary(float* x, const float* cos, const float* sin, int64_t dim, bool bf16
     x[d] = rot(x1, -x2, d);
     x[d + half] = rot(x2, x1, d + half);
   }
-}
-
-// A tensor's values as contiguous floats: the tensor itself if it is so already (to read),
-// else a converted copy.
-at::Tensor floats(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
 }
 
 // Writes the float row `src` [dim] into position n of head g of a cache [1, G, max, dim] in
@@ -210,7 +206,7 @@ at::Tensor moe_combine(const at::Tensor& routed, const at::Tensor& weights, cons
   if (shared.has_value()) {
     TORCH_CHECK(shared->numel() == d && shared->scalar_type() == dtype,
                 "shared must be one row of D in x's dtype");
-    const at::Tensor sf = shared->to(at::kFloat).contiguous();
+    const at::Tensor sf = floats(*shared);
     const float* sp = sf.data_ptr<float>();
     for (int64_t c = 0; c < d; ++c) y[c] = edge0::round_to(y[c] + sp[c], bf16);
   }

@@ -271,8 +271,7 @@ void run(Isa isa, const std::vector<Job>& jobs) {
 
 // Float rows rounded to bf16, as .to(torch.bfloat16) rounds them.
 std::vector<float> rounded(const at::Tensor& x) {
-  const at::Tensor xf =
-      x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+  const at::Tensor xf = edge0::floats(x);
   const float* p = xf.data_ptr<float>();
   std::vector<float> out(xf.numel());
   for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_round(p[i]);

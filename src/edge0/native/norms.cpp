@@ -40,18 +40,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
   const int64_t n = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "weight must be [", n, "]");
   const int64_t rows = n ? x.numel() / n : 0;
-  if (dtype == at::kFloat && x.is_contiguous() && weight.is_contiguous()) {  // no conversions
-    at::Tensor out = at::empty(x.sizes(), x.options());
-    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, n,
-                  static_cast<float>(eps), lanes, false);
-    return out;
-  }
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor wf = weight.to(at::kFloat).contiguous();
-  if (xf.data_ptr() == x.data_ptr()) xf = xf.clone();  // the rows are normalised in place
-  rms_norm_rows(xf.data_ptr<float>(), wf.data_ptr<float>(), xf.data_ptr<float>(), rows, n,
+  const at::Tensor xf = floats(x), wf = floats(weight);
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  rms_norm_rows(xf.data_ptr<float>(), wf.data_ptr<float>(), out.data_ptr<float>(), rows, n,
                 static_cast<float>(eps), lanes, dtype == at::kBFloat16);
-  return xf.to(dtype);
+  return dtype == at::kFloat ? out : out.to(dtype);
 }
 
 }  // namespace edge0

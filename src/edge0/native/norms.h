@@ -32,6 +32,12 @@ inline float bf16_round(float v) {
 // Rounds a float result to the compute dtype's precision (bf16, or fp32 as it is).
 inline float round_to(float v, bool bf16) { return bf16 ? bf16_round(v) : v; }
 
+// A tensor's values as contiguous floats: the tensor itself if it is so already (to read),
+// else a converted copy (without a dispatch where nothing needs converting).
+inline at::Tensor floats(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+}
+
 namespace sums {
 
 constexpr int kLevels = 4;   // multi_row_sum's num_levels
