@@ -33,7 +33,7 @@ Shape legend: H heads, R rows, D hidden, E experts, K active experts.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +42,7 @@ from edge0.machine import usable_cores
 from edge0.prerouter.head import Prerouter, StackedHeads, features
 from edge0.routing import topk_onehot
 from edge0.store.pool import Entry, ExpertPool
+from edge0.threads import single_threaded_pool
 
 
 @dataclass
@@ -110,12 +111,7 @@ class PrerouterRuntime:
             threaded = threaded_heads(self.heads.nbytes // max(1, len(self.owners)))
         self.worker = None
         if threaded:
-            self.worker = ThreadPoolExecutor(
-                max_workers=1,
-                thread_name_prefix="edge0-heads",
-                initializer=torch.set_num_threads,
-                initargs=(1,),
-            )
+            self.worker = single_threaded_pool(1, "edge0-heads")
 
     def new_state(self, rows: int = 1) -> PrerouterState:
         return PrerouterState(self, rows)

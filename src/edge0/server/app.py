@@ -27,6 +27,7 @@ from edge0.server.middleware import Guard
 from edge0.server.protocol import ChatCompletionRequest, CompletionRequest
 from edge0.server.state import ServerState
 from edge0.server.worker import Worker
+from edge0.threads import ComputeThread
 
 
 @dataclass
@@ -61,15 +62,22 @@ def context_window(engine) -> int:
     return engine.max_context
 
 
-def create_app(engine, options: ServerOptions | None = None) -> FastAPI:
-    """An app serving `engine`; the generation thread runs while the app's lifespan does.
+def create_app(
+    engine, options: ServerOptions | None = None, compute: ComputeThread | None = None
+) -> FastAPI:
+    """An app serving `engine`; the generation thread runs while the app's lifespan does,
+    on `compute` if given (the thread that loaded the engine), else on a thread of its own.
 
     The caller keeps ownership of the engine (and closes it after the server stops).
     """
     opts = options or ServerOptions()
     metrics = Metrics(engine, lambda: worker.depth, endpoint_label)
     worker = Worker(
-        engine, opts.queue_size, on_generated=metrics.generation_ended, tracebacks=opts.tracebacks
+        engine,
+        opts.queue_size,
+        on_generated=metrics.generation_ended,
+        tracebacks=opts.tracebacks,
+        compute=compute,
     )
     state = ServerState(
         model_name=opts.model_name or engine.path.name,

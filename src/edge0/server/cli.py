@@ -95,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from edge0.engine import load_engine
     from edge0.server.app import ServerOptions, create_app
     from edge0.server.lifecycle import serve
+    from edge0.threads import ComputeThread
 
     if args.default_max_tokens < 0:
         raise ValueError(
@@ -111,7 +112,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key = lines[0]
     check_bind(args.host, api_key)
     opts = engine_options(args)
-    engine = load_engine(args.model_dir or default_model_dir(), opts)
+    # loaded, run and closed on one thread: the main thread keeps the signals (threads.py)
+    compute = ComputeThread("edge0-generate")
+    try:
+        engine = compute.call(load_engine, args.model_dir or default_model_dir(), opts)
+    except BaseException:
+        compute.close()
+        raise
     try:
         app = create_app(
             engine,
@@ -123,6 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 default_max_tokens=args.default_max_tokens or None,
                 tracebacks=getattr(args, "debug", False),
             ),
+            compute,
         )
         name = args.model_name or engine.path.name
         print(f"edge0: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -130,7 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         worker = app.state.edge0.worker
         served = serve(app, worker, args.host, args.port, level, args.shutdown_grace)
     finally:
-        engine.close()
+        compute.call(engine.close)
+        compute.close()
     if not served:
         return 1  # uvicorn said why
     print(f"edge0: stopped serving {name}", file=sys.stderr)

@@ -1,5 +1,9 @@
 """The generation thread: it alone touches the engine (model, expert pool, KV state).
 
+It is the thread that loaded the engine when the caller hands it over (`edge0 serve` loads on
+a ComputeThread, edge0/threads.py): torch's ops on any other thread pay for a second OpenMP
+team, which made a decode step 2.5x slower.
+
 Scheduling: up to `engine.plan.max_active` requests are active at once, each with its own
 state (KV cache, prerouter features, staged experts), which the serving plan has counted.
 The thread takes the active requests in turn, round robin, and runs one forward of each: a
@@ -31,12 +35,14 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from edge0.engine import GenerationStats
 from edge0.sampling import SamplingParams
 from edge0.server.logprobs import HeldLogprobs, TokenLogprob, token_logprob
 from edge0.stops import StopMatcher
+from edge0.threads import ComputeThread
 from edge0.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -115,6 +121,7 @@ class Worker:
         queue_size: int = 32,
         on_generated: Callable[[GenerationStats], None] | None = None,
         tracebacks: bool = False,
+        compute: ComputeThread | None = None,
     ):
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
@@ -128,7 +135,10 @@ class Worker:
         self._active: collections.deque[_Active] = collections.deque()  # next to run first
         self._cv = threading.Condition()
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        # the loop's thread: the one that loaded the engine, where the caller has one (see
+        # edge0/threads.py: a step on another thread pays for two OpenMP teams)
+        self._compute, self._own_compute = compute, compute is None
+        self._running: Future | None = None
         self._mean_s = 1.0  # moving average of a request's time, for Retry-After
 
     @property
@@ -138,8 +148,9 @@ class Worker:
             return len(self._waiting) + len(self._active)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="edge0-generate", daemon=True)
-        self._thread.start()
+        if self._compute is None:  # (a thread of its own, ended by stop())
+            self._compute = ComputeThread("edge0-generate")
+        self._running = self._compute.submit(self._loop)
 
     def stop(self) -> None:
         """Cancel everything and let the thread finish the forward it is on."""
@@ -152,9 +163,12 @@ class Worker:
         for job in waiting:
             job.cancel.set()
             job.sink(Done(CANCELLED, "", 0))
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._running is not None:
+            self._running.result()
+            self._running = None
+        if self._own_compute and self._compute is not None:
+            self._compute.close()
+            self._compute = None
 
     def refuse_new(self) -> None:
         """The server is stopping: refuse new requests, and end the waiting ones now (they get

@@ -21,13 +21,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from edge0.store.expert_file import ExpertFile
 from edge0.store.extents import ExpertTensors, ExtentLayout
+from edge0.threads import single_threaded_pool
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ class ExpertPool:
         self._entries: OrderedDict[tuple[int, int], Entry] = OrderedDict()  # LRU first
         self._pinned = 0  # entries with pins > 0, so available() is O(1)
         self._lock = threading.Lock()
-        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="edge0-io")
+        # readers convert what they read with torch ops: one intra-op thread each (threads.py)
+        self._io = single_threaded_pool(io_threads, "edge0-io")
         self.stats = PoolStats()
 
     # -- occupancy ------------------------------------------------------------------------

@@ -1,0 +1,81 @@
+"""Which threads run torch's multi-threaded ops (edge0/threads.py): helper pools run theirs on
+one intra-op thread without changing anyone else's count, and the server runs its engine on
+the thread that loaded it."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import torch
+
+from edge0.engine import EngineOptions, load_engine
+from edge0.server.app import ServerOptions, create_app
+from edge0.threads import ComputeThread, single_threaded_pool
+from test_server import USER, live_server, make_chat_model
+
+
+def fresh_thread_count() -> int:
+    """The intra-op thread count a thread started now gets."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(torch.get_num_threads).result()
+
+
+def test_a_single_threaded_pool_leaves_other_threads_their_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pool = single_threaded_pool(3, "test-helper")
+        try:
+            counts = {pool.submit(torch.get_num_threads).result() for _ in range(6)}
+            names = {pool.submit(lambda: threading.current_thread().name).result()}
+        finally:
+            pool.shutdown()
+        assert counts == {1}
+        assert all(n.startswith("test-helper") for n in names)
+        assert torch.get_num_threads() == 2  # this thread's
+        assert fresh_thread_count() == 2  # (torch.set_num_threads alone leaves it at 1)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_compute_thread_runs_everything_on_one_thread():
+    compute = ComputeThread("test-compute")
+    try:
+        idents = {compute.call(threading.get_ident) for _ in range(4)}
+        assert idents == {compute.ident} and compute.ident != threading.get_ident()
+        assert compute.submit(sum, [1, 2, 3]).result() == 6
+        try:
+            compute.call(int, "x")
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("call() did not raise the function's error")
+    finally:
+        compute.close()
+
+
+def test_the_server_generates_on_the_thread_that_loaded_its_engine(tmp_path):
+    """As `edge0 serve` runs it: every forward of a request on the engine's loading thread."""
+    compute = ComputeThread("test-generate")
+    engine = compute.call(load_engine, make_chat_model(tmp_path), EngineOptions(max_context=256))
+    seen: set[int] = set()
+    for name in ("prefill", "step"):
+        run = getattr(engine, name)
+
+        def recorded(*args, _run=run, **kwargs):
+            seen.add(threading.get_ident())
+            return _run(*args, **kwargs)
+
+        setattr(engine, name, recorded)
+    try:
+        app = create_app(engine, ServerOptions(model_name="tiny"), compute)
+        with live_server(app) as url:
+            body = {"messages": USER, "max_tokens": 6, "temperature": 0}
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        assert seen == {compute.ident}
+    finally:
+        compute.call(engine.close)
+        compute.close()
