@@ -381,6 +381,50 @@ def test_the_generation_thread_steps_active_requests_together(engine, batch_deco
     assert d.forwards < d.rows if batch_decode else d.forwards == d.rows
 
 
+def test_requests_prefilled_together_join_the_next_decode_step(whole_prompts, monkeypatch):
+    """Two requests admitted one turn apart while a third decodes, so that the decoding one
+    stands between them in the line: their prompts prefill in one forward, and each samples
+    its first token at once, so the next decode forward holds all three rows (not the
+    decoding one and the first of the two, with the second a forward behind)."""
+    engine = whole_prompts
+    engine.prefix_cache.clear()
+    calls: list[tuple[str, int]] = []
+
+    def counted(name, run):
+        def call(reqs, arg):
+            calls.append((name, len(reqs)))
+            return run(reqs, arg)
+
+        return call
+
+    monkeypatch.setattr(engine, "prefill_together", counted("prefill", engine.prefill_together))
+    monkeypatch.setattr(engine, "step_rows", counted("step", engine.step_rows))
+    events: list[tuple[str, object]] = []
+    sink = sinks(events)
+    tok, greedy = engine.tokenizer, SamplingParams(temperature=0)
+    worker = Worker(engine)
+    arrivals = {3: ("a", "import os\n"), 4: ("b", "class Stack:")}  # at the long one's tokens
+
+    def long_sink(event):
+        sink("long")(event)
+        n = sum(name == "long" and isinstance(e, Token) for name, e in events)
+        if isinstance(event, Token) and n in arrivals:  # on the generation thread, mid-turn
+            name, text = arrivals.pop(n)
+            worker.submit(Job(tok.encode(text), 4, greedy, sink(name)))
+
+    worker.start()
+    try:
+        worker.submit(Job(tok.encode("def fib(n):"), 64, greedy, long_sink))
+        deadline = time.monotonic() + 60
+        while sum(isinstance(e, Done) for _, e in events) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    first = calls.index(("prefill", 2))
+    assert calls[first + 1] == ("step", 3), calls
+
+
 # -- 8 concurrent chat requests over HTTP -------------------------------------------------------
 
 ACTIVE = 8

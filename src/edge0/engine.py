@@ -612,6 +612,12 @@ class Generation:
         self._stepped, self._pending = (logits, seconds), None
 
     @property
+    def prefilled(self) -> bool:
+        """Whether its prompt ran in a batch (start_together) and it has not started: its
+        next advance() only samples its first token, with no forward."""
+        return self._prefilled is not None and self._units is None
+
+    @property
     def started(self) -> bool:
         """Whether it has a request yet (its first forward ran, or start_together began it)."""
         return self._units is not None or self._req is not None

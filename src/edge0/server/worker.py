@@ -13,7 +13,8 @@ forward of each other active request, and a long prompt shares the thread chunk 
 When a request's first turn comes, every other active request that has not started yet
 starts with it: their prompts (each within one chunk) prefill in one forward
 (Engine.start_together), so the last of seven chat requests arriving together waits for one
-batched prefill, not for six others in turn. Likewise, when a request's decode step comes,
+batched prefill, not for six others in turn; each of them then samples its first token at
+once, so their first decode steps are one forward too. Likewise, when a request's decode step comes,
 every active request waiting for a decode step joins it in one forward
 (Engine.step_together) and they all go to the back of the line, so a turn of the line is one
 decode forward for all the decoding requests plus one prompt chunk of each prefilling one
@@ -241,8 +242,16 @@ class Worker:
                         self._active.extend(decoding)
             for job, event in ended:
                 job.sink(event)
-            if len(unstarted) > 1 and not self._start_together(unstarted):
-                continue
+            if len(unstarted) > 1:
+                if not self._start_together(unstarted):
+                    continue
+                # the others whose prompts ran in the batch sample their first tokens now (no
+                # forward), so that their first decode steps join the next one
+                for b in unstarted:
+                    if b is not a and b.gen.prefilled:
+                        final = self._advance(b)
+                        if final is not None:
+                            self._end(b, final)
             if len(decoding) > 1:
                 if self._step_together(decoding):
                     for b in decoding:
