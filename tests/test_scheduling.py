@@ -21,7 +21,7 @@ from edge0 import builtin
 from edge0.bench.serving import stream_chat
 from edge0.cli_args import with_flags
 from edge0.convert import convert
-from edge0.engine import REUSE_TOKENS, EngineOptions, load_engine
+from edge0.engine import REUSE_TOKENS, SHORT_PREFILL, EngineOptions, load_engine
 from edge0.plan import ModelSizes, make_plan
 from edge0.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
@@ -187,7 +187,7 @@ def test_prompts_prefilled_together_decode_as_they_do_alone(whole_prompts):
     # then needs; a few held tokens are cheaper to prefill again in the batch
     story = tok.encode(" ".join(texts) * 3)
     engine.generate(story, 2).drain()
-    engine.step_s.value, engine.prompt_token_s.value = 0.02, 0.001  # reuse from 20 held tokens
+    engine.short_prefill_s.value, engine.prompt_token_s.value = 0.02, 0.001  # reuse from 20 held
     again = [engine.generate(ids + tok.encode(" again"), 4) for ids in prompts[:2]]
     assert all(0 < engine.prefix_cache.match(g.prompt) < 20 for g in again)
     again.append(engine.generate(story + tok.encode(" again"), 4))
@@ -201,14 +201,25 @@ def test_prompts_prefilled_together_decode_as_they_do_alone(whole_prompts):
 
 def test_reuse_or_batch_follows_the_measured_costs(whole_prompts):
     engine = whole_prompts
-    engine.step_s.value = engine.prompt_token_s.value = None
+    engine.short_prefill_s.value = engine.prompt_token_s.value = None
     assert not engine.reuse_beats_batch(REUSE_TOKENS - 1, 200)  # unmeasured: a fixed floor
     assert engine.reuse_beats_batch(REUSE_TOKENS, 200)
-    engine.step_s.add(0.03)
+    engine.short_prefill_s.add(0.03)
     engine.prompt_token_s.add(0.002)
     assert not engine.reuse_beats_batch(14, 16) and engine.reuse_beats_batch(16, 200)
     engine.prompt_token_s.add(0.001)  # a moving average: 0.0018 s a token now
     assert not engine.reuse_beats_batch(16, 200) and engine.reuse_beats_batch(17, 200)
+
+
+def test_the_own_forward_is_priced_by_short_prefills(whole_prompts):
+    engine = whole_prompts
+    engine.short_prefill_s.value = None
+    with engine.new_request() as req:
+        engine.prefill(req, [5 + i % 50 for i in range(SHORT_PREFILL + 1)])
+    assert engine.short_prefill_s.value is None  # a long prompt's forward is not the price
+    with engine.new_request() as req:
+        engine.prefill(req, [5, 6])
+    assert engine.short_prefill_s.value > 0
 
 
 # -- decode steps of several requests in one forward --------------------------------------------

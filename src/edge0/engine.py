@@ -249,8 +249,9 @@ class Engine:
         bound = plan.floor.prefix_cache
         self.prefix_cache = PrefixCache(bound) if bound else None
         # measured as requests run, for start_together's choice between a restored prefix
-        # and the batch: a decode step's seconds, and a prompt token's in a batched prefill
-        self.step_s = MovingAverage()
+        # and the batch: a short prompt's prefill forward of its own, and a prompt token's
+        # seconds in a batched prefill
+        self.short_prefill_s = MovingAverage()
         self.prompt_token_s = MovingAverage()
         self.decode_stats = DecodeStats()
 
@@ -320,8 +321,11 @@ class Engine:
             raise ValueError("the prompt is empty")
         self.check_context(req, len(ids))
         x = torch.tensor([ids], dtype=torch.long)
+        t0 = time.perf_counter()
         with self._whole_layers(len(ids)) as executors:
             logits = decode.prefill(self.model, req.cache, x, req.pre, executors, last)
+        if len(ids) <= SHORT_PREFILL:
+            self.short_prefill_s.add(time.perf_counter() - t0)
         if req.exact == len(req.tokens):
             req.exact += len(ids)
         req.tokens += ids
@@ -393,10 +397,8 @@ class Engine:
         by last step's predictions and this step's flush starts the next step's reads."""
         exact = self._before_step(req)
         x = torch.tensor([[token]], dtype=torch.long)
-        t0 = time.perf_counter()
         logits = decode.step(self.model, req.cache, x, req.pre, req.decode, self._layers)
         logits = logits[0].float()
-        self.step_s.add(time.perf_counter() - t0)
         self._after_steps([req], [token], [exact])
         return logits
 
@@ -504,18 +506,19 @@ class Engine:
     def reuse_beats_batch(self, held: int, n: int) -> bool:
         """Whether restoring `held` of a prompt's n tokens from the prefix cache, then
         prefilling the rest in a forward of its own, is quicker than prefilling all n in a
-        batch with other prompts. The batch costs n prompt tokens; the own forward about a
-        decode step plus the rest's tokens; so reuse wins when the held tokens cost more in
-        the batch than a decode step. A prompt token's cost is a batched prefill's seconds per
-        token (it falls as a batch grows: an expert's matmul serves more tokens; a solo
-        prefill of a short prompt costs ~3x more per token, built-in model). Seven repeated
-        18-token chats then join one batch (16 held tokens at ~0.4 ms each against a ~20 ms
-        step), and a long conversation restores its history. Until both were measured: at
-        least REUSE_TOKENS held."""
-        step, token = self.step_s.value, self.prompt_token_s.value
-        if step is None or token is None:
+        batch with other prompts. The batch costs n prompt tokens; the own forward a short
+        prefill's cost plus the rest's tokens; so reuse wins when the held tokens cost more in
+        the batch than a short prefill forward (measured: a solo prefill of at most
+        SHORT_PREFILL tokens). A prompt token's cost is a batched prefill's seconds per token
+        (it falls as a batch grows: an expert's matmul serves more tokens). On the built-in
+        model a prefill of 1-4 tokens takes ~9.3 ms, 2.3 decode steps (it runs the module
+        path, whose experts are dispatched one by one), and a batched prompt token ~0.4-0.8
+        ms: seven repeated 18-token chats then join one batch, and a long conversation
+        restores its history. Until both were measured: at least REUSE_TOKENS held."""
+        own, token = self.short_prefill_s.value, self.prompt_token_s.value
+        if own is None or token is None:
             return held >= REUSE_TOKENS
-        return held * token > step
+        return held * token > own
 
     def close(self) -> None:
         if self.prerouter is not None:
@@ -524,8 +527,11 @@ class Engine:
 
 
 # before the costs were measured: restoring this many tokens beats prefilling them in a batch
-# (built-in model: ~50 tokens; a slower decode step only moves it up)
+# (built-in model: ~15-25 tokens; a slower forward only moves it up)
 REUSE_TOKENS = 64
+# a prefill forward of at most this many tokens is a short one: the cost of the forward a
+# restored prompt's rest needs (its last 2 tokens, and a chat's new turn)
+SHORT_PREFILL = 32
 
 
 class MovingAverage:
