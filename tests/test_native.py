@@ -15,7 +15,13 @@ from edge0 import builtin, int4_layout, native, quant
 from edge0.convert import convert
 from edge0.engine import EngineOptions, load_engine
 from edge0.store.extents import ExpertTensors
-from edge0.streaming.executors import FusedExperts, decode_experts, torch_experts
+from edge0.streaming.executors import (
+    FusedExperts,
+    decode_experts,
+    row_experts,
+    swiglu_int4,
+    torch_experts,
+)
 from edge0.synth import Shape, synth
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
@@ -110,6 +116,61 @@ def test_the_fused_experts_are_the_reference_bit_for_bit(dtype):
     fused = decode_experts("fused")
     assert isinstance(fused, FusedExperts)
     assert torch.equal(fused(x, indices, tensors), torch_experts(x, indices, tensors))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [128, 192])
+def test_the_prefill_experts_are_the_reference_bit_for_bit(dtype, width):
+    """Prefill's experts in one native call (RowExperts), each on its tokens, against
+    swiglu_int4 one expert at a time: 40 tokens routed to 4 of 12 experts each (one expert
+    gets none), expert widths of 2 and 3 quantization groups."""
+    gen = torch.Generator().manual_seed(5)
+    d, n_exp = 256, 12
+    tensors = []
+    for _ in range(n_exp):
+        w13 = int4_weights(2 * width, d, gen)
+        w2 = int4_weights(d, width, gen)
+        tensors.append(ExpertTensors(w13[1], w13[2], w2[1], w2[2]))
+    x = (torch.randn(40, d, generator=gen) * 2).to(dtype)
+    indices = torch.stack([torch.randperm(n_exp - 1, generator=gen)[:4] for _ in range(40)])
+    groups = [(torch.nonzero((indices == e).any(-1)).flatten(), tensors[e]) for e in range(n_exp)]
+    assert groups[-1][0].numel() == 0
+    rows = row_experts(decode_experts("fused"))
+    got = rows(x, groups)
+    want = torch.cat([swiglu_int4(x[tok], t) for tok, t in groups])
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="is not a row of x"):
+        rows(x, [(torch.tensor([40]), tensors[0])])
+
+
+def test_the_engine_prefills_bit_identically_with_the_native_experts():
+    """The built-in model's prefill, a short prompt, a long one (experts with 96 tokens or
+    more take the dense path) and seven prompts in one batch, with and without RowExperts."""
+    engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered", max_active=8))
+    try:
+        assert engine.prefill_rows is not None
+        tok = engine.tokenizer
+        short = tok.encode("def read_config(path):")
+        long = tok.encode("import os\nimport sys\n" * 40)
+        batch = [tok.encode(f"class Stack{i}:\n    def push(self, x):") for i in range(7)]
+
+        def logits() -> list[torch.Tensor]:
+            out = []
+            for ids in (short, long):
+                with engine.new_request() as req:
+                    out.append(engine.prefill(req, ids))
+            reqs = [engine.new_request() for _ in batch]
+            out += engine.prefill_together(reqs, batch)
+            for req in reqs:
+                req.release()
+            return out
+
+        native_rows = logits()
+        engine.prefill_rows = None
+        reference = logits()
+        assert all(torch.equal(a, b) for a, b in zip(native_rows, reference, strict=True))
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

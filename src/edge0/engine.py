@@ -52,6 +52,7 @@ from edge0.streaming.executors import (
     StagedExecutor,
     WholeLayerExecutor,
     decode_experts,
+    row_experts,
 )
 from edge0.tokenizer import eos_ids, load_tokenizer
 
@@ -241,6 +242,7 @@ class Engine:
         self.tokenizer = load_tokenizer(path)
         self.eos = eos_ids(path, self.tokenizer)
         self.decode_experts = decode_experts(options.expert_kernel, options.cache_dir)
+        self.prefill_rows = row_experts(self.decode_experts, options.cache_dir)
         # with the native ops, a decode token's norms and attention too, where they serve it
         self._layers = {}
         if isinstance(self.decode_experts, FusedExperts):
@@ -347,7 +349,10 @@ class Engine:
         them); whatever they still pin is released at the end."""
         plan = PrefillPlan(self.pool, self.moe_layers, self.config.num_experts, tokens * self.top_k)
         try:
-            yield {i: WholeLayerExecutor(self.pool, i, plan) for i in self.moe_layers}
+            yield {
+                i: WholeLayerExecutor(self.pool, i, plan, self.prefill_rows)
+                for i in self.moe_layers
+            }
         finally:
             plan.release_all()
 

@@ -181,6 +181,13 @@ def swiglu_int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tenso
     return torch.ops.edge0.swiglu_int4_gemv
 
 
+def swiglu_int4_rows(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
+    """The op, built and loaded if need be: (x [T, D], tokens (int64 [n] per expert), w13s,
+    p13s, w2s, p2s, layout, isa) -> fp32 [sum n, D], the experts' rows in order."""
+    _load(cache_dir)
+    return torch.ops.edge0.swiglu_int4_rows
+
+
 def int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
     """The op, built and loaded if need be: (x [..., K], packed, pairs, layout, isa) -> [..., N]."""
     _load(cache_dir)
