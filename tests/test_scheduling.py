@@ -301,6 +301,32 @@ def test_decode_steps_in_one_forward_match_each_alone(row_engines, name):
         engine.step_rows([batched[0], batched[0]], [1, 2])
 
 
+def test_a_step_of_several_requests_runs_each_head_once(row_engines, monkeypatch):
+    """In one forward of 3 requests' decode steps, each owner's head runs once over the 3
+    rows (observe_rows), not once per row; each row still stages from its own row."""
+    engine = row_engines["builtin"]
+    heads, calls = engine.prerouter.heads, []
+    one = heads.one
+
+    def counted(i, x):
+        calls.append(x.shape[0])
+        return one(i, x)
+
+    monkeypatch.setattr(heads, "one", counted)
+    tok = engine.tokenizer
+    reqs = [engine.new_request() for _ in range(3)]
+    for req, text in zip(reqs, ("def add(a, b):", "import os", "class A"), strict=True):
+        engine.prefill(req, tok.encode(text))
+    calls.clear()
+    engine.step_rows(reqs, [5, 6, 7])
+    for req in reqs:
+        req.pre._join()
+    assert calls == [3] * len(engine.prerouter.owners)
+    for req in reqs:
+        req.release()
+    assert engine.pool.available() == engine.pool.num_slots
+
+
 def test_generations_stepped_together_sample_their_solo_tokens(row_engines):
     """Generations whose decode steps run together (Engine.step_together, as the generation
     thread runs them) sample the tokens they sample alone, greedy and seeded, on the

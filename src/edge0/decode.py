@@ -9,12 +9,14 @@ Shape legend: B sequences decoding in lockstep, T tokens, V vocabulary.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from edge0.models.base import Forward, RowsForward
 from edge0.models.experts import Executor
 from edge0.models.layers import KVCache
-from edge0.prerouter.runtime import PrerouterState
+from edge0.prerouter.runtime import PrerouterState, observe_rows
 
 
 def prefill(
@@ -61,7 +63,10 @@ def step_rows(
     caches, prediction states and executors -> logits [B, V]: each row's as step() gives it
     alone, up to the rounding of matmuls over B rows instead of one (see RowsForward)."""
     rows = [step_forward(*a) for a in zip(caches, pres, executors, strict=True)]
-    logits = model(tokens, RowsForward(rows), last_only=True)[:, -1]
+    observer = None
+    if all(pre is not None for pre in pres):  # each owner's head once over the rows
+        observer = functools.partial(observe_rows, pres)
+    logits = model(tokens, RowsForward(rows, observer), last_only=True)[:, -1]
     for pre in pres:
         if pre is not None:
             pre.flush()

@@ -84,21 +84,25 @@ class RowsForward(Forward):
     over each row's own cache (RowCaches); at an MoE layer the router runs on all rows, each
     row's predictions and allowed set replace or restrict its own row, each row's observer
     sees its row, and each row's executor computes its row's experts (so each request pins
-    and reads what it would alone)."""
+    and reads what it would alone). `observer`, if given, sees all rows at once instead of
+    each row's own (the prerouter's heads then run once over the rows)."""
 
-    def __init__(self, rows: list[Forward]):
+    def __init__(self, rows: list[Forward], observer: RoutingObserver | None = None):
         # the rows are one engine's requests: the same layers are predicted or restricted in
         # every row, or in none
         assert all(f.predicted.keys() == rows[0].predicted.keys() for f in rows)
         assert all(f.allowed.keys() == rows[0].allowed.keys() for f in rows)
         super().__init__(RowCaches([f.cache for f in rows]))
-        self.rows = rows
+        self.rows, self.observer = rows, observer
         self.predicted = {k: torch.cat([f.predicted[k] for f in rows]) for k in rows[0].predicted}
         self.allowed = {k: torch.cat([f.allowed[k] for f in rows]) for k in rows[0].allowed}
 
     def routed(
         self, layer: int, h: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor
     ) -> None:
+        if self.observer is not None:
+            self.observer(layer, h, logits, indices)
+            return
         for i, f in enumerate(self.rows):
             f.routed(layer, h[i : i + 1], logits[i : i + 1], indices[i : i + 1])
 
