@@ -148,7 +148,7 @@ def test_the_engine_prefills_bit_identically_with_the_native_experts():
     more take the dense path) and seven prompts in one batch, with and without RowExperts."""
     engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered", max_active=8))
     try:
-        assert engine.prefill_rows is not None
+        assert engine.rows_experts is not None
         tok = engine.tokenizer
         short = tok.encode("def read_config(path):")
         long = tok.encode("import os\nimport sys\n" * 40)
@@ -166,7 +166,7 @@ def test_the_engine_prefills_bit_identically_with_the_native_experts():
             return out
 
         native_rows = logits()
-        engine.prefill_rows = None
+        engine.rows_experts = None
         reference = logits()
         assert all(torch.equal(a, b) for a, b in zip(native_rows, reference, strict=True))
     finally:

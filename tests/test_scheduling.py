@@ -301,6 +301,32 @@ def test_decode_steps_in_one_forward_match_each_alone(row_engines, name):
         engine.step_rows([batched[0], batched[0]], [1, 2])
 
 
+def test_a_steps_experts_in_one_call_are_each_rows_own(row_engines, monkeypatch):
+    """A forward of 3 requests' decode steps computes every row's experts in one native call
+    (rows_together), from the experts each row's executor pinned: the logits are those of the
+    same forward with each row's experts computed by its own executor, bit for bit."""
+    engine = row_engines["builtin"]
+    assert engine.rows_experts is not None
+    tok = engine.tokenizer
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os", "class A")]
+    runs = {}
+    for together in (True, False):
+        if not together:
+            monkeypatch.setattr(engine, "rows_experts", None)
+        reqs = [engine.new_request() for _ in prompts]
+        for req, ids in zip(reqs, prompts, strict=True):
+            engine.prefill(req, ids)
+        tokens, logits = [5, 6, 7], []
+        for _ in range(4):
+            logits.append(torch.stack(engine.step_rows(reqs, tokens)))
+            tokens = [int(row.argmax()) for row in logits[-1]]
+        runs[together] = torch.stack(logits)
+        for req in reqs:
+            req.release()
+    assert torch.equal(runs[True], runs[False])
+    assert engine.pool.available() == engine.pool.num_slots
+
+
 def test_a_step_of_several_requests_runs_each_head_once(row_engines, monkeypatch):
     """In one forward of 3 requests' decode steps, each owner's head runs once over the 3
     rows (observe_rows), not once per row; each row still stages from its own row."""

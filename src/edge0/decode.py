@@ -10,6 +10,7 @@ Shape legend: B sequences decoding in lockstep, T tokens, V vocabulary.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -58,15 +59,17 @@ def step_rows(
     tokens: torch.Tensor,
     pres: list[PrerouterState | None],
     executors: list[dict[int, Executor]],
+    together: Callable | None = None,
 ) -> torch.Tensor:
     """One decode step of B requests in one forward, a token [B, 1] each, with their own
     caches, prediction states and executors -> logits [B, V]: each row's as step() gives it
-    alone, up to the rounding of matmuls over B rows instead of one (see RowsForward)."""
+    alone, up to the rounding of matmuls over B rows instead of one (see RowsForward).
+    `together` computes a layer's experts for all rows (RowsForward)."""
     rows = [step_forward(*a) for a in zip(caches, pres, executors, strict=True)]
     observer = None
     if all(pre is not None for pre in pres):  # each owner's head once over the rows
         observer = functools.partial(observe_rows, pres)
-    logits = model(tokens, RowsForward(rows, observer), last_only=True)[:, -1]
+    logits = model(tokens, RowsForward(rows, observer, together), last_only=True)[:, -1]
     for pre in pres:
         if pre is not None:
             pre.flush()

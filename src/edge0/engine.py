@@ -22,6 +22,7 @@ every layer is gate-routed and exact.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -53,6 +54,7 @@ from edge0.streaming.executors import (
     WholeLayerExecutor,
     decode_experts,
     row_experts,
+    rows_together,
 )
 from edge0.tokenizer import eos_ids, load_tokenizer
 
@@ -242,7 +244,8 @@ class Engine:
         self.tokenizer = load_tokenizer(path)
         self.eos = eos_ids(path, self.tokenizer)
         self.decode_experts = decode_experts(options.expert_kernel, options.cache_dir)
-        self.prefill_rows = row_experts(self.decode_experts, options.cache_dir)
+        # prefill's experts, and a batched decode step's, in one native call (else None)
+        self.rows_experts = row_experts(self.decode_experts, options.cache_dir)
         # with the native ops, a decode token's norms and attention too, where they serve it
         self._layers = {}
         if isinstance(self.decode_experts, FusedExperts):
@@ -350,7 +353,7 @@ class Engine:
         plan = PrefillPlan(self.pool, self.moe_layers, self.config.num_experts, tokens * self.top_k)
         try:
             yield {
-                i: WholeLayerExecutor(self.pool, i, plan, self.prefill_rows)
+                i: WholeLayerExecutor(self.pool, i, plan, self.rows_experts)
                 for i in self.moe_layers
             }
         finally:
@@ -419,12 +422,16 @@ class Engine:
             raise ValueError("step_rows takes each request once")
         exact = [self._before_step(req) for req in reqs]
         x = torch.tensor([[t] for t in tokens], dtype=torch.long)
+        together = None
+        if self.rows_experts is not None:
+            together = functools.partial(rows_together, self.rows_experts)
         logits = decode.step_rows(
             self.model,
             [r.cache for r in reqs],
             x,
             [r.pre for r in reqs],
             [r.decode for r in reqs],
+            together,
         ).float()
         self._after_steps(reqs, tokens, exact)
         return list(logits)

@@ -85,15 +85,23 @@ class RowsForward(Forward):
     row's predictions and allowed set replace or restrict its own row, each row's observer
     sees its row, and each row's executor computes its row's experts (so each request pins
     and reads what it would alone). `observer`, if given, sees all rows at once instead of
-    each row's own (the prerouter's heads then run once over the rows)."""
+    each row's own (the prerouter's heads then run once over the rows); `together`, if
+    given, computes an MoE layer's experts for all rows from the rows' executors
+    (together(executors, x, indices), the executors' `pin` each row's) where every row's
+    executor has a `pin`."""
 
-    def __init__(self, rows: list[Forward], observer: RoutingObserver | None = None):
+    def __init__(
+        self,
+        rows: list[Forward],
+        observer: RoutingObserver | None = None,
+        together: Callable[[list, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ):
         # the rows are one engine's requests: the same layers are predicted or restricted in
         # every row, or in none
         assert all(f.predicted.keys() == rows[0].predicted.keys() for f in rows)
         assert all(f.allowed.keys() == rows[0].allowed.keys() for f in rows)
         super().__init__(RowCaches([f.cache for f in rows]))
-        self.rows, self.observer = rows, observer
+        self.rows, self.observer, self.together = rows, observer, together
         self.predicted = {k: torch.cat([f.predicted[k] for f in rows]) for k in rows[0].predicted}
         self.allowed = {k: torch.cat([f.allowed[k] for f in rows]) for k in rows[0].allowed}
 
@@ -108,6 +116,9 @@ class RowsForward(Forward):
 
     def experts(self, layer: int, module: nn.Module) -> Executor:
         executors = [f.experts(layer, module) for f in self.rows]
+        if self.together is not None and all(hasattr(ex, "pin") for ex in executors):
+            together = self.together
+            return lambda x, indices: together(executors, x, indices)
 
         def each_row(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
             return torch.cat(

@@ -146,13 +146,18 @@ class ExactExecutor:
         self.pool, self.layer, self.compute = pool, layer, compute
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        experts = distinct(indices)
-        entries = self.pool.request(self.layer, experts)
+        tensors, entries = self.pin(x, indices)
         try:
-            tensors = dict(zip(experts, self.pool.wait(entries), strict=True))
             return self.compute(x, indices, tensors)
         finally:
             self.pool.release(entries)
+
+    def pin(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[dict, list[Entry]]:
+        """The routed experts pinned, read if missing: (their tensors, the entries to
+        release)."""
+        experts = distinct(indices)
+        entries = self.pool.request(self.layer, experts)
+        return dict(zip(experts, self.pool.wait(entries), strict=True)), entries
 
 
 class StagedExecutor:
@@ -168,6 +173,15 @@ class StagedExecutor:
         self.compute = compute
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        tensors, entries = self.pin(x, indices)
+        try:
+            return self.compute(x, indices, tensors)
+        finally:
+            self.pool.release(entries)
+
+    def pin(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[dict, list[Entry]]:
+        """The staged experts taken over, any routed one that was not staged read now:
+        (the routed experts' tensors, the entries to release)."""
         staged = {en.key[1]: en for en in self.state.take(self.layer)}
         experts = distinct(indices)
         late = [e for e in experts if e not in staged]
@@ -178,12 +192,40 @@ class StagedExecutor:
         entries = list(staged.values()) + (self.pool.request(self.layer, late) if late else [])
         try:
             by_expert = {en.key[1]: en for en in entries}
-            tensors = dict(
-                zip(experts, self.pool.wait([by_expert[e] for e in experts]), strict=True)
-            )
-            return self.compute(x, indices, tensors)
-        finally:
+            tensors = self.pool.wait([by_expert[e] for e in experts])
+        except BaseException:
             self.pool.release(entries)
+            raise
+        return dict(zip(experts, tensors, strict=True)), entries
+
+
+def rows_together(
+    rows: RowExperts, executors: list, x: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """A decode forward of B requests' rows at one MoE layer: each row's executor pins (and
+    reads) what it would alone, then every row's experts run in one call of the native op
+    (an expert two rows share, once for both) -> [B, K, D]. Each row's result is what its
+    executor computes alone, bit for bit (the op's rows are swiglu_int4's, which
+    FusedExperts computes too)."""
+    pinned = []
+    try:
+        tensors: dict[int, ExpertTensors] = {}
+        for i, ex in enumerate(executors):
+            got, entries = ex.pin(x[i : i + 1], indices[i : i + 1])
+            pinned.append((ex.pool, entries))
+            tensors.update(got)  # an expert's tensors are its pool slot's, whoever pinned it
+        slots = _Slots(indices)
+        groups, places = [], []
+        for e, t in tensors.items():
+            at = slots.places(e)
+            groups.append((at // slots.k, t))
+            places.append(at)
+        out = x.new_empty(*indices.shape, x.shape[-1])
+        out.view(-1, x.shape[-1])[torch.cat(places)] = rows(x, groups).to(x.dtype)
+        return out
+    finally:
+        for pool, entries in pinned:
+            pool.release(entries)
 
 
 class PrefillPlan:
