@@ -21,7 +21,13 @@ from edge0 import builtin
 from edge0.bench.serving import stream_chat
 from edge0.cli_args import with_flags
 from edge0.convert import convert
-from edge0.engine import REUSE_TOKENS, SHORT_PREFILL, EngineOptions, load_engine
+from edge0.engine import (
+    REUSE_TOKENS,
+    ROWS_TOGETHER,
+    SHORT_PREFILL,
+    EngineOptions,
+    load_engine,
+)
 from edge0.plan import ModelSizes, make_plan
 from edge0.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
@@ -228,7 +234,7 @@ def test_the_own_forward_is_priced_by_short_prefills(whole_prompts):
 @pytest.fixture(scope="module")
 def row_engines(tmp_path_factory):
     """The built-in model with and without its prerouter, a hybrid with recurrent layers (and
-    partial rotary, an output gate) and an MLA model, each with room for 3 active requests."""
+    partial rotary, an output gate) and an MLA model, each with room for 4 active requests."""
     tmp = tmp_path_factory.mktemp("rows")
     dirs = {"builtin": builtin.model_dir(), "builtin, no prerouter": builtin.model_dir()}
     for name, family in (("hybrid", "qwen3_5_moe"), ("mla", "deepseek_v3")):
@@ -239,7 +245,7 @@ def row_engines(tmp_path_factory):
         name: load_engine(
             path,
             EngineOptions(
-                io_mode="buffered", max_active=3, max_context=256, no_prerouter="no" in name
+                io_mode="buffered", max_active=4, max_context=256, no_prerouter="no" in name
             ),
         )
         for name, path in dirs.items()
@@ -302,13 +308,15 @@ def test_decode_steps_in_one_forward_match_each_alone(row_engines, name):
 
 
 def test_a_steps_experts_in_one_call_are_each_rows_own(row_engines, monkeypatch):
-    """A forward of 3 requests' decode steps computes every row's experts in one native call
+    """A forward of 4 requests' decode steps computes every row's experts in one native call
     (rows_together), from the experts each row's executor pinned: the logits are those of the
     same forward with each row's experts computed by its own executor, bit for bit."""
     engine = row_engines["builtin"]
     assert engine.rows_experts is not None
     tok = engine.tokenizer
-    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os", "class A")]
+    texts = ("def add(a, b):", "import os", "class A", "print(")
+    assert len(texts) >= ROWS_TOGETHER
+    prompts = [tok.encode(t) for t in texts]
     runs = {}
     for together in (True, False):
         if not together:
@@ -316,7 +324,7 @@ def test_a_steps_experts_in_one_call_are_each_rows_own(row_engines, monkeypatch)
         reqs = [engine.new_request() for _ in prompts]
         for req, ids in zip(reqs, prompts, strict=True):
             engine.prefill(req, ids)
-        tokens, logits = [5, 6, 7], []
+        tokens, logits = [5, 6, 7, 8], []
         for _ in range(4):
             logits.append(torch.stack(engine.step_rows(reqs, tokens)))
             tokens = [int(row.argmax()) for row in logits[-1]]
