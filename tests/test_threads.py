@@ -4,14 +4,18 @@ the thread that loaded it."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import torch
 
 from edge0.engine import EngineOptions, load_engine
 from edge0.server.app import ServerOptions, create_app
+from edge0.server.worker import Worker
 from edge0.threads import ComputeThread, single_threaded_pool
 from test_server import USER, live_server, make_chat_model
 
@@ -79,3 +83,24 @@ def test_the_server_generates_on_the_thread_that_loaded_its_engine(tmp_path):
     finally:
         compute.call(engine.close)
         compute.close()
+
+
+def test_a_generation_loop_that_fails_says_so_at_once(caplog, monkeypatch):
+    """The loop runs on a ComputeThread, whose failure would otherwise wait in a future
+    until stop(): it is logged when it happens, and stop() still returns."""
+    engine = SimpleNamespace(plan=SimpleNamespace(max_active=1), options=SimpleNamespace())
+    engine.options.batch_decode = True
+    worker = Worker(engine)
+
+    def broken():
+        raise RuntimeError("the loop broke")
+
+    monkeypatch.setattr(worker, "_loop", broken)
+    with caplog.at_level(logging.ERROR, logger="edge0.server.worker"):
+        worker.start()
+        deadline = time.monotonic() + 10
+        while "the loop broke" not in caplog.text:
+            assert time.monotonic() < deadline, "the failure was not logged"
+            time.sleep(0.01)
+    worker.stop()
+    assert "the generation thread stopped: the loop broke" in caplog.text

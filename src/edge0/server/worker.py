@@ -113,6 +113,14 @@ class _Active:
         self.started = time.perf_counter()
 
 
+def _report_end(loop: Future) -> None:
+    """The generation loop ended: say so at once if it failed (the requests it held, and any
+    new one, would otherwise wait without a word)."""
+    error = None if loop.cancelled() else loop.exception()
+    if error is not None:
+        log.error("the generation thread stopped: %s", error, exc_info=error)
+
+
 class Worker:
     """Owns the engine on one thread; see the module docstring."""
 
@@ -152,6 +160,7 @@ class Worker:
         if self._compute is None:  # (a thread of its own, ended by stop())
             self._compute = ComputeThread("edge0-generate")
         self._running = self._compute.submit(self._loop)
+        self._running.add_done_callback(_report_end)
 
     def stop(self) -> None:
         """Cancel everything and let the thread finish the forward it is on."""
@@ -165,7 +174,7 @@ class Worker:
             job.cancel.set()
             job.sink(Done(CANCELLED, "", 0))
         if self._running is not None:
-            self._running.result()
+            self._running.exception()  # waits; a failure was logged when it ended
             self._running = None
         if self._own_compute and self._compute is not None:
             self._compute.close()
