@@ -15,6 +15,7 @@ from edge0 import builtin, int4_layout, native, quant
 from edge0.convert import convert
 from edge0.engine import EngineOptions, load_engine
 from edge0.store.extents import ExpertTensors
+from edge0.streaming import executors
 from edge0.streaming.executors import (
     FusedExperts,
     decode_experts,
@@ -143,9 +144,11 @@ def test_the_prefill_experts_are_the_reference_bit_for_bit(dtype, width):
         rows(x, [(torch.tensor([40]), tensors[0])])
 
 
-def test_the_engine_prefills_bit_identically_with_the_native_experts():
-    """The built-in model's prefill, a short prompt, a long one (experts with 96 tokens or
-    more take the dense path) and seven prompts in one batch, with and without RowExperts."""
+def test_the_engine_prefills_bit_identically_with_the_native_experts(monkeypatch):
+    """The built-in model's prefill, a short prompt, a long one (some experts take the dense
+    path: from 96 tokens here on both paths) and seven prompts in one batch, with and without
+    RowExperts."""
+    monkeypatch.setattr(executors, "ROWS_DENSE_MIN_TOKENS", executors.DENSE_MIN_TOKENS)
     engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered", max_active=8))
     try:
         assert engine.rows_experts is not None
@@ -165,7 +168,13 @@ def test_the_engine_prefills_bit_identically_with_the_native_experts():
                 req.release()
             return out
 
+        dense = []
+        swiglu_dense = executors.swiglu_dense
+        monkeypatch.setattr(
+            executors, "swiglu_dense", lambda *a: dense.append(1) or swiglu_dense(*a)
+        )
         native_rows = logits()
+        assert dense  # the long prompt's busiest experts took the dense path
         engine.rows_experts = None
         reference = logits()
         assert all(torch.equal(a, b) for a, b in zip(native_rows, reference, strict=True))

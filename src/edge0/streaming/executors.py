@@ -35,9 +35,13 @@ from edge0.store.pool import Entry, ExpertPool
 
 log = logging.getLogger(__name__)
 
-# Below this many tokens per expert the int4 kernel beats dequantize + fp32 matmul on the
+# Below this many tokens per expert torch's int4 kernel beats dequantize + fp32 matmul on the
 # CPUs we measured (docs/kernels.md); above it the dense matmul amortises the dequantization.
 DENSE_MIN_TOKENS = 96
+# The same for edge0's (RowExperts), which decodes a block's weights once per 4 tokens: on an
+# Intel Xeon model 167 the dense path won from ~200 tokens at D 256, I 128, ~300 at D 1024, I
+# 512 and ~700 at D 2048, I 768 (192 tokens: 3.4 against 5.4 ms, 10.1 against 18.7 ms).
+ROWS_DENSE_MIN_TOKENS = 256
 
 
 def swiglu_int4(x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
@@ -261,8 +265,8 @@ class PrefillPlan:
 
 class WholeLayerExecutor:
     """Prefill path: all of the layer's needed experts, computed as their reads land (with
-    `rows`, every expert that has landed in one native call, those with DENSE_MIN_TOKENS
-    tokens or more on swiglu_extent's dense path as without it)."""
+    `rows`, every expert that has landed in one native call, those with ROWS_DENSE_MIN_TOKENS
+    tokens or more on the dense path)."""
 
     def __init__(
         self, pool: ExpertPool, layer: int, plan: PrefillPlan, rows: RowExperts | None = None
@@ -320,9 +324,9 @@ class WholeLayerExecutor:
         groups, places = [], []
         for en, t in zip(entries, self.pool.wait(entries), strict=True):
             at = slots.places(en.key[1])
-            if at.numel() >= DENSE_MIN_TOKENS:
-                tokens = at // slots.k
-                flat[at] = swiglu_extent(self.pool.layout, x[tokens], t).to(out.dtype)
+            if at.numel() >= ROWS_DENSE_MIN_TOKENS:
+                w13, w2 = self.pool.layout.dequantize(t)
+                flat[at] = swiglu_dense(x[at // slots.k].float(), w13, w2).to(out.dtype)
             elif at.numel():
                 groups.append((at // slots.k, t))
                 places.append(at)
