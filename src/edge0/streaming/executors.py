@@ -221,9 +221,8 @@ def rows_together(
         slots = _Slots(indices)
         groups, places = [], []
         for e, t in tensors.items():
-            at = slots.places(e)
-            groups.append((at // slots.k, t))
-            places.append(at)
+            groups.append((slots.tokens(e), t))
+            places.append(slots.places(e))
         out = x.new_empty(*indices.shape, x.shape[-1])
         out.view(-1, x.shape[-1])[torch.cat(places)] = rows(x, groups).to(x.dtype)
         return out
@@ -323,12 +322,12 @@ class WholeLayerExecutor:
         flat = out.view(-1, out.shape[-1])  # [T * K, D]: place t * K + k
         groups, places = [], []
         for en, t in zip(entries, self.pool.wait(entries), strict=True):
-            at = slots.places(en.key[1])
+            at, tokens = slots.places(en.key[1]), slots.tokens(en.key[1])
             if at.numel() >= ROWS_DENSE_MIN_TOKENS:
                 w13, w2 = self.pool.layout.dequantize(t)
-                flat[at] = swiglu_dense(x[at // slots.k].float(), w13, w2).to(out.dtype)
+                flat[at] = swiglu_dense(x[tokens].float(), w13, w2).to(out.dtype)
             elif at.numel():
-                groups.append((at // slots.k, t))
+                groups.append((tokens, t))
                 places.append(at)
         if groups:
             flat[torch.cat(places)] = self.rows(x, groups).to(out.dtype)
@@ -336,12 +335,13 @@ class WholeLayerExecutor:
 
 class _Slots:
     """Where each expert sits in a forward's routing indices [T, K]: its places t * K + k,
-    ascending, from one stable sort."""
+    ascending, from one stable sort, and their tokens t."""
 
     def __init__(self, indices: torch.Tensor):
         self.k = indices.shape[-1]
         flat = indices.reshape(-1)
         self.order = torch.argsort(flat, stable=True)
+        self._tokens = self.order // self.k
         counts = torch.bincount(flat).tolist()
         starts = [0]
         for c in counts:
@@ -351,3 +351,7 @@ class _Slots:
     def places(self, expert: int) -> torch.Tensor:
         start, n = self.span.get(expert, (0, 0))
         return self.order[start : start + n]
+
+    def tokens(self, expert: int) -> torch.Tensor:
+        start, n = self.span.get(expert, (0, 0))
+        return self._tokens[start : start + n]
