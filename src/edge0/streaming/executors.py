@@ -143,11 +143,15 @@ def distinct(indices: torch.Tensor) -> list[int]:
     return sorted(set(indices.flatten().tolist()))
 
 
-class ExactExecutor:
-    """Decode path: pin the routed experts (reading the missing ones), compute, unpin."""
+class DecodeExecutor:
+    """A decode path: `pin` the routed experts (rows_together pins each row's through it),
+    compute them, unpin."""
 
-    def __init__(self, pool: ExpertPool, layer: int, compute: DecodeExperts = torch_experts):
-        self.pool, self.layer, self.compute = pool, layer, compute
+    pool: ExpertPool
+    compute: DecodeExperts
+
+    def pin(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[dict, list[Entry]]:
+        raise NotImplementedError
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         tensors, entries = self.pin(x, indices)
@@ -155,6 +159,13 @@ class ExactExecutor:
             return self.compute(x, indices, tensors)
         finally:
             self.pool.release(entries)
+
+
+class ExactExecutor(DecodeExecutor):
+    """Decode path: pin the routed experts (reading the missing ones), compute, unpin."""
+
+    def __init__(self, pool: ExpertPool, layer: int, compute: DecodeExperts = torch_experts):
+        self.pool, self.layer, self.compute = pool, layer, compute
 
     def pin(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[dict, list[Entry]]:
         """The routed experts pinned, read if missing: (their tensors, the entries to
@@ -164,7 +175,7 @@ class ExactExecutor:
         return dict(zip(experts, self.pool.wait(entries), strict=True)), entries
 
 
-class StagedExecutor:
+class StagedExecutor(DecodeExecutor):
     """Decode path of a prediction-routed layer: its experts were requested one token ahead.
 
     The routing indices come from the same prediction that chose the staged set, so every
@@ -175,13 +186,6 @@ class StagedExecutor:
     def __init__(self, pool: ExpertPool, layer: int, state, compute: DecodeExperts = torch_experts):
         self.pool, self.layer, self.state = pool, layer, state  # the request's PrerouterState
         self.compute = compute
-
-    def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        tensors, entries = self.pin(x, indices)
-        try:
-            return self.compute(x, indices, tensors)
-        finally:
-            self.pool.release(entries)
 
     def pin(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[dict, list[Entry]]:
         """The staged experts taken over, any routed one that was not staged read now:
