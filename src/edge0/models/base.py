@@ -85,10 +85,9 @@ class RowsForward(Forward):
     row's predictions and allowed set replace or restrict its own row, each row's observer
     sees its row, and each row's executor computes its row's experts (so each request pins
     and reads what it would alone). `observer`, if given, sees all rows at once instead of
-    each row's own (the prerouter's heads then run once over the rows); `together`, if
-    given, computes an MoE layer's experts for all rows from the rows' executors
-    (together(executors, x, indices), the executors' `pin` each row's) where every row's
-    executor has a `pin`."""
+    each row's own (the prerouter's heads then run once over the rows). `together`, if
+    given, computes a layer's experts for all rows at once, as together(the rows' executors,
+    x, indices), where every row's executor can `pin` its experts for it."""
 
     def __init__(
         self,
