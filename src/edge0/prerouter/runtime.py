@@ -150,13 +150,23 @@ def observe_rows(
 def _stage_rows_ahead(
     states: list[PrerouterState], owner: int, x: torch.Tensor, reserves: list[int]
 ) -> None:
-    """observe_rows' head on the rows' features x [B, D+2E]; then each state's consumers'
-    predictions and reads, in row order."""
+    """observe_rows' head on the rows' features x [B, D+2E], and each consumer's top-W over
+    the B rows at once (the routing's ops are row by row, so each row's set is the one it
+    would choose alone); then each state's consumers' predictions and reads, in row order."""
     rt = states[0].rt
     t0 = time.perf_counter_ns()
     logits = rt.heads.one(rt.row[owner], x)  # [B, E]
+    picks = {}
+    for c in rt.consumers_of.get(owner, []):
+        idx = rt.blocks[c].select(logits, rt.stage_width)[1]  # [B, W]
+        allowed = topk_onehot(idx, rt.num_experts).bool() if rt.wide else None
+        picks[c] = (idx.tolist(), allowed)
     for i, s in enumerate(states):
-        s._predicted_by(owner, logits[i : i + 1], reserves[i], t0)
+        mine = {
+            c: (sorted(rows[i]), None if allowed is None else allowed[i : i + 1])
+            for c, (rows, allowed) in picks.items()
+        }
+        s._predicted_by(owner, logits[i : i + 1], reserves[i], t0, mine)
         t0 = time.perf_counter_ns()
 
 
@@ -239,14 +249,22 @@ class PrerouterState:
         logits = self.rt.heads.one(self.rt.row[owner], x)  # [1, E]
         self._predicted_by(owner, logits, reserve, t0)
 
-    def _predicted_by(self, owner: int, logits: torch.Tensor, reserve: int, t0: int) -> None:
+    def _predicted_by(
+        self, owner: int, logits: torch.Tensor, reserve: int, t0: int, picked=None
+    ) -> None:
         """The owner's head's prediction [1, E] for the next token: its consumers'
-        predictions and chosen sets, and their reads started (t0: when the head began)."""
+        predictions and chosen sets (`picked`: consumer -> (chosen, allowed or None), made
+        already), and their reads started (t0: when the head began)."""
         rt = self.rt
         chosen = {}
         for c in rt.consumers_of.get(owner, []):
             self._next_predicted[c] = logits
-            chosen[c] = self._choose(c, logits, self._next_allowed)
+            if picked is None:
+                chosen[c] = self._choose(c, logits, self._next_allowed)
+            else:
+                chosen[c], allowed = picked[c]
+                if allowed is not None:
+                    self._next_allowed[c] = allowed
             self._next_chosen[c] = chosen[c]
         rt.stats.head_ns += time.perf_counter_ns() - t0
         for c, experts in chosen.items():
