@@ -32,6 +32,7 @@ from edge0.plan import ModelSizes, make_plan
 from edge0.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.worker import Done, Job, Token, Worker
+from edge0.threads import single_threaded_pool
 from test_families import make_checkpoint
 from test_server import live_server, make_chat_model
 
@@ -358,6 +359,38 @@ def test_a_step_of_several_requests_runs_each_head_once(row_engines, monkeypatch
     assert calls == [3] * len(engine.prerouter.owners)
     for req in reqs:
         req.release()
+    assert engine.pool.available() == engine.pool.num_slots
+
+
+def test_a_step_of_several_requests_stages_the_same_with_a_heads_thread(row_engines):
+    """observe_rows on the heads thread (where heads are large, or a core is free): a forward
+    of 4 requests' steps gives the logits and staged sets it gives with the heads inline."""
+    engine = row_engines["builtin"]
+    tok, rt = engine.tokenizer, engine.prerouter
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os", "class A", "print(")]
+
+    def run() -> tuple[torch.Tensor, list]:
+        reqs = [engine.new_request() for _ in prompts]
+        for req, ids in zip(reqs, prompts, strict=True):
+            engine.prefill(req, ids)
+        tokens, logits = [5, 6, 7, 8], []
+        for _ in range(6):
+            logits.append(torch.stack(engine.step_rows(reqs, tokens)))
+            tokens = [int(row.argmax()) for row in logits[-1]]
+        staged = [staged_keys(req) for req in reqs]
+        for req in reqs:
+            req.release()
+        return torch.stack(logits), staged
+
+    assert rt.worker is None  # the built-in model's heads run inline on 2 cores
+    inline = run()
+    rt.worker = single_threaded_pool(1, "test-heads")
+    try:
+        threaded = run()
+    finally:
+        rt.worker.shutdown()
+        rt.worker = None
+    assert torch.equal(threaded[0], inline[0]) and threaded[1] == inline[1]
     assert engine.pool.available() == engine.pool.num_slots
 
 
