@@ -308,31 +308,35 @@ def test_decode_steps_in_one_forward_match_each_alone(row_engines, name):
         engine.step_rows([batched[0], batched[0]], [1, 2])
 
 
+FOUR = ("def add(a, b):", "import os", "class A", "print(")
+
+
+def four_in_one_forward(engine, steps: int) -> tuple[torch.Tensor, list]:
+    """Four requests' greedy decode steps in one forward each (Engine.step_rows): the logits
+    [steps, 4, V] and each request's staged sets at the end; their pins released."""
+    reqs = [engine.new_request() for _ in FOUR]
+    for req, text in zip(reqs, FOUR, strict=True):
+        engine.prefill(req, engine.tokenizer.encode(text))
+    tokens, logits = [5, 6, 7, 8], []
+    for _ in range(steps):
+        logits.append(torch.stack(engine.step_rows(reqs, tokens)))
+        tokens = [int(row.argmax()) for row in logits[-1]]
+    staged = [staged_keys(req) for req in reqs]
+    for req in reqs:
+        req.release()
+    return torch.stack(logits), staged
+
+
 def test_a_steps_experts_in_one_call_are_each_rows_own(row_engines, monkeypatch):
     """A forward of 4 requests' decode steps computes every row's experts in one native call
     (rows_together), from the experts each row's executor pinned: the logits are those of the
     same forward with each row's experts computed by its own executor, bit for bit."""
     engine = row_engines["builtin"]
-    assert engine.rows_experts is not None
-    tok = engine.tokenizer
-    texts = ("def add(a, b):", "import os", "class A", "print(")
-    assert len(texts) >= ROWS_TOGETHER
-    prompts = [tok.encode(t) for t in texts]
-    runs = {}
-    for together in (True, False):
-        if not together:
-            monkeypatch.setattr(engine, "rows_experts", None)
-        reqs = [engine.new_request() for _ in prompts]
-        for req, ids in zip(reqs, prompts, strict=True):
-            engine.prefill(req, ids)
-        tokens, logits = [5, 6, 7, 8], []
-        for _ in range(4):
-            logits.append(torch.stack(engine.step_rows(reqs, tokens)))
-            tokens = [int(row.argmax()) for row in logits[-1]]
-        runs[together] = torch.stack(logits)
-        for req in reqs:
-            req.release()
-    assert torch.equal(runs[True], runs[False])
+    assert engine.rows_experts is not None and len(FOUR) >= ROWS_TOGETHER
+    together = four_in_one_forward(engine, 4)
+    monkeypatch.setattr(engine, "rows_experts", None)
+    each_row = four_in_one_forward(engine, 4)
+    assert torch.equal(together[0], each_row[0]) and together[1] == each_row[1]
     assert engine.pool.available() == engine.pool.num_slots
 
 
@@ -366,27 +370,12 @@ def test_a_step_of_several_requests_stages_the_same_with_a_heads_thread(row_engi
     """observe_rows on the heads thread (where heads are large, or a core is free): a forward
     of 4 requests' steps gives the logits and staged sets it gives with the heads inline."""
     engine = row_engines["builtin"]
-    tok, rt = engine.tokenizer, engine.prerouter
-    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os", "class A", "print(")]
-
-    def run() -> tuple[torch.Tensor, list]:
-        reqs = [engine.new_request() for _ in prompts]
-        for req, ids in zip(reqs, prompts, strict=True):
-            engine.prefill(req, ids)
-        tokens, logits = [5, 6, 7, 8], []
-        for _ in range(6):
-            logits.append(torch.stack(engine.step_rows(reqs, tokens)))
-            tokens = [int(row.argmax()) for row in logits[-1]]
-        staged = [staged_keys(req) for req in reqs]
-        for req in reqs:
-            req.release()
-        return torch.stack(logits), staged
-
+    rt = engine.prerouter
     assert rt.worker is None  # the built-in model's heads run inline on 2 cores
-    inline = run()
+    inline = four_in_one_forward(engine, 6)
     rt.worker = single_threaded_pool(1, "test-heads")
     try:
-        threaded = run()
+        threaded = four_in_one_forward(engine, 6)
     finally:
         rt.worker.shutdown()
         rt.worker = None
