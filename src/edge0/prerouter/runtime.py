@@ -136,21 +136,29 @@ def observe_rows(
     xs = [s._keep(layer, h[i : i + 1], indices[i : i + 1]) for i, s in enumerate(states)]
     if any(x is None for x in xs):  # not an owner, or not a decode step with a pool: no head
         return
-    rt, x = states[0].rt, torch.cat(xs)
-    reserves = [0 if layer in s.staged else indices.shape[-1] for s in states]
+    _stage_ahead(states, layer, torch.cat(xs), indices.shape[-1])
+
+
+def _stage_ahead(states: list[PrerouterState], owner: int, x: torch.Tensor, k: int) -> None:
+    """Decode: an owner's head on its features x [B, D+2E], a row per state, and its
+    consumers' reads for the next token. On the heads thread (if any) when the owner is a
+    consumer of every state, whose experts are staged already; otherwise here, keeping room
+    for the K experts the owner reads now (decided before this thread requests them)."""
+    rt = states[0].rt
+    reserves = [0 if owner in s.staged else k for s in states]
     if rt.worker is not None and not any(reserves):
-        ran = rt.worker.submit(_stage_rows_ahead, states, layer, x, reserves)
+        ran = rt.worker.submit(_head_ahead, states, owner, x, reserves)
         for s in states:
             s._pending.append(ran)
     else:
-        _stage_rows_ahead(states, layer, x, reserves)
+        _head_ahead(states, owner, x, reserves)
 
 
 @torch.no_grad()
-def _stage_rows_ahead(
+def _head_ahead(
     states: list[PrerouterState], owner: int, x: torch.Tensor, reserves: list[int]
 ) -> None:
-    """observe_rows' head on the rows' features x [B, D+2E], and each consumer's top-W over
+    """The owner's head on the rows' features x [B, D+2E], and each consumer's top-W over
     the B rows at once (the routing's ops are row by row, so each row's set is the one it
     would choose alone); then each state's consumers' predictions and reads, in row order."""
     rt = states[0].rt
@@ -207,14 +215,8 @@ class PrerouterState:
         """Forward observer: keep owner features of each row's last position (and at a
         decode step, the owner's head and its consumers' reads for the next token)."""
         x = self._keep(layer, h, indices)
-        if x is None:
-            return
-        if layer in self.staged and self.rt.worker is not None:
-            self._pending.append(self.rt.worker.submit(self._stage_ahead, layer, x))
-        elif layer in self.staged:
-            self._stage_ahead(layer, x)
-        else:  # keep room for its reads: decided now, before this thread requests them
-            self._stage_ahead(layer, x, reserve=indices.shape[-1])
+        if x is not None:
+            _stage_ahead([self], layer, x, indices.shape[-1])
 
     def _keep(self, layer: int, h: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
         """observe()'s bookkeeping: the owner's features of its rows' last positions kept;
@@ -236,35 +238,24 @@ class PrerouterState:
         if rt.pool is None or rows != 1 or idx.shape[1] != 1:
             return None
         # The owner's `routed` experts are about to run: staged and pinned already if it is a
-        # consumer; otherwise it reads them now and needs room (observe's reserve). Staging
+        # consumer; otherwise it reads them now and needs room (_stage_ahead's reserve). Staging
         # every consumer one token ahead thus pins about (layers + 1) * K slots at most.
         return features(self._h[layer], self._executed[layer], self._previous[layer])
 
     @torch.no_grad()
-    def _stage_ahead(self, owner: int, x: torch.Tensor, reserve: int = 0) -> None:
-        """Decode: this owner's head on its features x [1, D+2E], and its consumers' reads for
-        the next token. Runs on the heads thread (if any) for owners that are consumers
-        themselves."""
-        t0 = time.perf_counter_ns()
-        logits = self.rt.heads.one(self.rt.row[owner], x)  # [1, E]
-        self._predicted_by(owner, logits, reserve, t0)
-
     def _predicted_by(
-        self, owner: int, logits: torch.Tensor, reserve: int, t0: int, picked=None
+        self, owner: int, logits: torch.Tensor, reserve: int, t0: int, picked: dict
     ) -> None:
         """The owner's head's prediction [1, E] for the next token: its consumers'
-        predictions and chosen sets (`picked`: consumer -> (chosen, allowed or None), made
-        already), and their reads started (t0: when the head began)."""
+        predictions and chosen sets (`picked`: consumer -> (chosen, allowed or None)), and
+        their reads started (t0: when the head began)."""
         rt = self.rt
         chosen = {}
         for c in rt.consumers_of.get(owner, []):
             self._next_predicted[c] = logits
-            if picked is None:
-                chosen[c] = self._choose(c, logits, self._next_allowed)
-            else:
-                chosen[c], allowed = picked[c]
-                if allowed is not None:
-                    self._next_allowed[c] = allowed
+            chosen[c], allowed = picked[c]
+            if allowed is not None:
+                self._next_allowed[c] = allowed
             self._next_chosen[c] = chosen[c]
         rt.stats.head_ns += time.perf_counter_ns() - t0
         for c, experts in chosen.items():
