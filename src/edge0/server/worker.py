@@ -14,8 +14,8 @@ When a request's first turn comes, every other active request that has not start
 starts with it: their prompts (each within one chunk) prefill in one forward
 (Engine.start_together), so the last of seven chat requests arriving together waits for one
 batched prefill, not for six others in turn; each of them then samples its first token at
-once, so their first decode steps are one forward too. Likewise, when a request's decode step comes,
-every active request waiting for a decode step joins it in one forward
+once, so their first decode steps are one forward too. Likewise, when a request's decode
+step comes, every active request waiting for a decode step joins it in one forward
 (Engine.step_together) and they all go to the back of the line, so a turn of the line is one
 decode forward for all the decoding requests plus one prompt chunk of each prefilling one
 (EngineOptions.batch_decode; off, each decode step is a turn of its own).
@@ -144,8 +144,7 @@ class Worker:
         self._active: collections.deque[_Active] = collections.deque()  # next to run first
         self._cv = threading.Condition()
         self._stopping = False
-        # the loop's thread: the one that loaded the engine, where the caller has one (see
-        # edge0/threads.py: a step on another thread pays for two OpenMP teams)
+        # the loop's thread: the one that loaded the engine, where the caller has one
         self._compute, self._own_compute = compute, compute is None
         self._running: Future | None = None
         self._mean_s = 1.0  # moving average of a request's time, for Retry-After

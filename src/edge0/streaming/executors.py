@@ -50,12 +50,17 @@ def swiglu_int4(x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
     return quant.int4_linear(F.silu(gate) * up, t.w2, t.p2).float()
 
 
+def swiglu_dequantized(layout: ExtentLayout, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
+    """One expert on many tokens: its weights dequantized to fp32, then dense matmuls."""
+    w13, w2 = layout.dequantize(t)
+    return swiglu_dense(x.float(), w13, w2)
+
+
 def swiglu_extent(layout: ExtentLayout, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
     """The kernel chosen by token count: int4 for few tokens, dequantized fp32 for many."""
     if x.shape[0] < DENSE_MIN_TOKENS:
         return swiglu_int4(x, t)
-    w13, w2 = layout.dequantize(t)
-    return swiglu_dense(x.float(), w13, w2)
+    return swiglu_dequantized(layout, x, t)
 
 
 class DecodeExperts(Protocol):
@@ -328,8 +333,7 @@ class WholeLayerExecutor:
         for en, t in zip(entries, self.pool.wait(entries), strict=True):
             at, tokens = slots.places(en.key[1]), slots.tokens(en.key[1])
             if at.numel() >= ROWS_DENSE_MIN_TOKENS:
-                w13, w2 = self.pool.layout.dequantize(t)
-                flat[at] = swiglu_dense(x[tokens].float(), w13, w2).to(out.dtype)
+                flat[at] = swiglu_dequantized(self.pool.layout, x[tokens], t).to(out.dtype)
             elif at.numel():
                 groups.append((tokens, t))
                 places.append(at)
