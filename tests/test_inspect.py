@@ -408,7 +408,8 @@ def measured_allocation(engine) -> dict[str, int]:
     heads, one request's state, and the pool."""
     model = engine.model
     tensors = list(model.parameters()) + list(model.buffers())
-    heads = engine.prerouter.heads if engine.prerouter else None
+    rt = engine.prerouter
+    heads = (rt.heads if rt.native is None else rt.native) if rt else None
     with engine.new_request() as req:
         state = req.cache.nbytes()
     return {

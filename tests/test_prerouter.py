@@ -343,20 +343,20 @@ def test_a_head_failing_on_the_heads_thread_fails_the_step(dirs):
         ids = prompt(engine)
         req = engine.new_request()
         engine.prefill(req, ids)
-        one = engine.prerouter.heads.one
+        predict = engine.prerouter.predict
         threads = []
 
-        def failing(i, x):
+        def failing(owner, rows):
             threads.append(threading.current_thread().name)
             if threads[-1].startswith("edge0-heads"):
                 raise RuntimeError("head failed")
-            return one(i, x)
+            return predict(owner, rows)
 
-        engine.prerouter.heads.one = failing
+        engine.prerouter.predict = failing
         with req, pytest.raises(RuntimeError, match="head failed"):
             engine.step(req, ids[-1])
         assert any(name.startswith("edge0-heads") for name in threads)
-        engine.prerouter.heads.one = one
+        engine.prerouter.predict = predict
         fresh = load_engine(dirs["pre"])
         try:
             a = engine.generate(ids, 5, GREEDY).drain().tokens

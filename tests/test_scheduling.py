@@ -344,14 +344,14 @@ def test_a_step_of_several_requests_runs_each_head_once(row_engines, monkeypatch
     """In one forward of 3 requests' decode steps, each owner's head runs once over the 3
     rows (observe_rows), not once per row; each row still stages from its own row."""
     engine = row_engines["builtin"]
-    heads, calls = engine.prerouter.heads, []
-    one = heads.one
+    rt, calls = engine.prerouter, []
+    predict = rt.predict
 
-    def counted(i, x):
-        calls.append(x.shape[0])
-        return one(i, x)
+    def counted(owner, rows):
+        calls.append(rows.h.shape[0])
+        return predict(owner, rows)
 
-    monkeypatch.setattr(heads, "one", counted)
+    monkeypatch.setattr(rt, "predict", counted)
     tok = engine.tokenizer
     reqs = [engine.new_request() for _ in range(3)]
     for req, text in zip(reqs, ("def add(a, b):", "import os", "class A"), strict=True):

@@ -25,13 +25,13 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from edge0 import decode, int4_layout, lora, memory, modeldir
+from edge0 import decode, int4_layout, lora, memory, modeldir, native
 from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
 from edge0.models.layers import CacheSnapshot, KVCache
@@ -169,6 +169,8 @@ class Request:
 def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engine:
     """Load an edge0 directory for serving: model, adapters, plan, expert pool, heads."""
     opts = options or EngineOptions()
+    if opts.expert_kernel == "auto":  # settled now: the plan counts the heads as served
+        opts = replace(opts, expert_kernel="fused" if native.available(opts.cache_dir) else "torch")
     path = Path(path)
     manifest, model = load_edge0_model(path, opts.dtype, experts="streaming")
     plan = make_plan(model_dir_sizes(path, manifest, model, opts), opts)
@@ -213,9 +215,23 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
     prerouter = None
     if heads is not None:
         prerouter = PrerouterRuntime(
-            heads, model, pool, opts.dtype, plan.stage_width, threaded=opts.heads_thread
+            heads,
+            model,
+            pool,
+            opts.dtype,
+            plan.stage_width,
+            threaded=opts.heads_thread,
+            native=native_heads(opts),
         )
     return Engine(path, opts, manifest, model, plan, pool, prerouter, lora_meta, prerouter_meta)
+
+
+def native_heads(opts: EngineOptions) -> tuple[Callable, int] | None:
+    """The native head op and its path where decode runs the native ops (the heads' sums
+    are then the op's own, the same on every CPU), else None: the heads run in torch."""
+    if opts.expert_kernel == "torch":
+        return None
+    return native.prerouter_head(opts.cache_dir), native.BEST_ISA
 
 
 class Engine:

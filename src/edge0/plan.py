@@ -52,7 +52,7 @@ class Floor:
 
     weights: int  # resident float parameters at the compute dtype, plus the int4 ones
     adapter: int  # the recovery LoRA at the compute dtype
-    heads: int  # the prerouter heads as stacked for serving, at the compute dtype
+    heads: int  # the prerouter heads as served (heads_itemsize)
     state: int  # max_active requests' KV caches and recurrent states at max_context
     prefix_cache: int = 0  # finished requests' state kept for reuse (a bound, filled on use)
 
@@ -98,6 +98,13 @@ def resolve_top_k(requested: int | None, served: int | None, native: int) -> int
     return requested or served or native
 
 
+def heads_itemsize(options: EngineOptions) -> int:
+    """Bytes per prerouter head parameter as served: the file's fp16 where decode runs the
+    native ops (native/heads.cpp reads them as stored), else stacked at the compute dtype
+    (prerouter/head.py). load_engine settles "auto" before planning."""
+    return 2 if options.expert_kernel != "torch" else options.dtype.itemsize
+
+
 def make_plan(
     sizes: ModelSizes, options: EngineOptions, mem_available: int | None = None
 ) -> ServingPlan:
@@ -122,7 +129,7 @@ def make_plan(
     floor = Floor(
         weights=sizes.resident_params * item + sizes.int4_bytes,
         adapter=sizes.adapter_params * item,
-        heads=sizes.head_params * item,  # stacked at the compute dtype (prerouter/head.py)
+        heads=sizes.head_params * heads_itemsize(options),
         state=active * one_state,  # allocated per request, for the whole context
         prefix_cache=one_state if options.prefix_cache is None else options.prefix_cache,
     )

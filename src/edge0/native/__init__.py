@@ -1,7 +1,7 @@
 """Native kernels, compiled from source on the machine that runs them.
 
-Each op computes what a pure-PyTorch path computes, bit for bit, in one call; what they
-remove is the Python, the dispatch and the dtype round trips between that path's ops:
+Each op but one computes what a pure-PyTorch path computes, bit for bit, in one call; what
+they remove is the Python, the dispatch and the dtype round trips between that path's ops:
 
   torch.ops.edge0.swiglu_int4_gemv  a decode token through its K int4 experts in one parallel
                                     region (int4_gemv.cpp; the reference: ~16 ops per expert)
@@ -14,6 +14,9 @@ remove is the Python, the dispatch and the dtype round trips between that path's
   torch.ops.edge0.moe_combine       the weighted sum of a token's experts, its shared expert
                                     and the residual (decode_ops.cpp)
   torch.ops.edge0.rms_norm          layers.py RMSNorm of fp32 or bf16 rows (norms.cpp)
+  torch.ops.edge0.prerouter_head    a prerouter head on a few decode rows from its fp16
+                                    weights, and its consumer's staged set (heads.cpp: the
+                                    one op whose sums are its own, the same on every CPU)
 
 The int4 products are edge0's own kernels (AVX-512, AVX2, portable), each doing what torch's
 int4 kernel does for the CPU capability of that name, operation for operation; `kernel_args`
@@ -49,9 +52,14 @@ from edge0.store.relayout import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("decode_ops.cpp", "int4_gemv.cpp", "norms.cpp")]
+SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("decode_ops.cpp", "heads.cpp", "int4_gemv.cpp", "norms.cpp")
+]
 HEADERS = [Path(__file__).with_name(n) for n in ("int4_gemv.h", "norms.h")]
 ISA_PATHS = ("portable", "avx2", "avx512")  # int4_gemv.cpp's paths, by their code
+# heads.cpp computes the same bits on each of its paths: it takes the widest the CPU has
+BEST_ISA = len(ISA_PATHS) - 1
 # No -march: int4_gemv.cpp marks its AVX2 and AVX-512 functions with target attributes and
 # picks one at run time; no contraction, so the portable path's arithmetic is as written.
 # OpenMP: at::parallel_for is inline, and shares torch's threads only when compiled with it
@@ -148,6 +156,17 @@ def _load(cache_dir: Path | None) -> None:
         torch.ops.load_library(str(build(cache_dir)))
 
 
+def available(cache_dir: Path | None = None) -> bool:
+    """Whether the library builds and loads here; if not, a warning says why and that
+    decode takes the pure-PyTorch paths."""
+    try:
+        _load(cache_dir)
+    except NativeUnavailable as e:
+        log.warning("%s; decode uses the pure-PyTorch paths", e)
+        return False
+    return True
+
+
 def kernel_isa() -> int:
     """The int4 path (index into ISA_PATHS) that mirrors torch's int4 kernel in this process:
     the one of torch's CPU capability. Other capabilities (DEFAULT, or an ARM one) take the
@@ -208,8 +227,9 @@ def moe_combine(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
 
 
 def router_topk(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
-    """The op, built and loaded if need be: (h [T, D], gate weight [E, D], k, norm_topk_prob)
-    -> [logits, weights, indices], as a bias-free router and routing.softmax_topk."""
+    """The op, built and loaded if need be: (h [T, D], gate weight [E, D], k, norm_topk_prob,
+    allowed [T, E] bool or None) -> [logits, weights, indices], as a bias-free router and
+    routing.softmax_topk."""
     _load(cache_dir)
     return torch.ops.edge0.router_topk
 
@@ -219,6 +239,14 @@ def softmax_topk(cache_dir: Path | None = None) -> Callable[..., list[torch.Tens
     [T, E] bool or None) -> [weights, indices], as routing.softmax_topk."""
     _load(cache_dir)
     return torch.ops.edge0.softmax_topk
+
+
+def prerouter_head(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
+    """The op, built and loaded if need be: (h [B, D], executed [B, K], previous [B, K']
+    (int64, negative: none), w1 [W, D], w1_hot [2E, W], w2 [E, W], w0 [E, D], w0_hot [2E, E]
+    (fp16), stage, isa) -> [logits [B, E]] (+ [chosen [B, stage], allowed [B, E]] if stage)."""
+    _load(cache_dir)
+    return torch.ops.edge0.prerouter_head
 
 
 def rms_norm(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:

@@ -235,11 +235,12 @@ std::vector<at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool n
 }
 
 // edge0::router_topk: an MoE block's own router (a bias-free nn.Linear, h [T, D] -> logits
-// [T, E]) and softmax_topk of its logits in one call -> (logits, weights, indices).
+// [T, E]) and softmax_topk of its logits (among the allowed experts, if given) in one call
+// -> (logits, weights, indices).
 std::vector<at::Tensor> router_topk(const at::Tensor& h, const at::Tensor& gate, int64_t k,
-                                    bool norm_topk_prob) {
+                                    bool norm_topk_prob, const std::optional<at::Tensor>& allowed) {
   const at::Tensor logits = at::linear(h, gate);
-  auto routed = softmax_topk(logits, k, norm_topk_prob, std::nullopt);
+  auto routed = softmax_topk(logits, k, norm_topk_prob, allowed);
   return {logits, routed[0], routed[1]};
 }
 
@@ -256,7 +257,9 @@ TORCH_LIBRARY(edge0, m) {
       "moe_combine(Tensor routed, Tensor weights, Tensor x, Tensor? shared, int lanes) -> "
       "Tensor");
   m.def("softmax_topk(Tensor logits, int k, bool norm_topk_prob, Tensor? allowed) -> Tensor[]");
-  m.def("router_topk(Tensor h, Tensor gate, int k, bool norm_topk_prob) -> Tensor[]");
+  m.def(
+      "router_topk(Tensor h, Tensor gate, int k, bool norm_topk_prob, Tensor? allowed) -> "
+      "Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(edge0, CPU, m) {

@@ -76,8 +76,9 @@ def servable(layer: nn.Module) -> bool:
 class NativeRoute:
     """An MoE block's softmax top-k routing through the ops, which run its ATen ops in one
     call: the block's own router with routing.softmax_topk (edge0::router_topk), or
-    softmax_topk of the call's prediction, among the allowed experts if the call has them (a
-    staged set wider than K); a router of another kind goes through the block's own routing."""
+    softmax_topk of the call's prediction, either among the allowed experts if the call has
+    them (a staged set wider than K); a router of another kind goes through the block's own
+    routing."""
 
     def __init__(self, block: MoEBlock, router_topk: Callable, softmax_topk: Callable):
         self.block, self.router_topk, self.softmax_topk = block, router_topk, softmax_topk
@@ -89,9 +90,8 @@ class NativeRoute:
         block = self.block
         logits = fwd.predicted.get(block.layer)  # a prediction replaces the router
         allowed = fwd.allowed.get(block.layer)
-        if logits is None and allowed is None and self.gate is not None:
-            if self.gate.dtype == h.dtype:
-                return tuple(self.router_topk(h, self.gate, block.top_k, self.norm))
+        if logits is None and self.gate is not None and self.gate.dtype == h.dtype:
+            return tuple(self.router_topk(h, self.gate, block.top_k, self.norm, allowed))
         if logits is None:
             logits = block.gate(h)
         return logits, *self.softmax_topk(logits, block.top_k, self.norm, allowed)

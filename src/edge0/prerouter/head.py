@@ -227,3 +227,44 @@ class StackedHeads:
         x = x.to(self.w1.dtype)
         hidden = F.gelu(x @ self.w1[i].T, approximate="none")
         return (hidden @ self.w2[i].T + x @ self.w0[i].T).float()
+
+
+class NativeHeads:
+    """Every head as the native op reads it (native/heads.cpp): the file's fp16 weights, the
+    h columns of fc1 and linear_init as matrices and their one-hot columns transposed into
+    rows, so that a decode row's head reads its h part and 2K short rows, in one call that
+    also picks its consumer's staged set. Its logits are StackedHeads.one's up to the order
+    of float sums, and the same bits on every CPU. Holds half the bytes of fp32 heads."""
+
+    def __init__(self, pre: Prerouter, owners: list[int], op, isa: int):
+        self.op, self.isa = op, isa
+        d = pre.hidden
+        self.parts = {}
+        for o in owners:
+            head = pre.head(o)
+            w1, w0 = (head.fc1.weight.detach().half(), head.linear_init.weight.detach().half())
+            self.parts[o] = (
+                w1[:, :d].contiguous(),
+                w1[:, d:].t().contiguous(),
+                head.fc2.weight.detach().half().contiguous(),
+                w0[:, :d].contiguous(),
+                w0[:, d:].t().contiguous(),
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for parts in self.parts.values() for w in parts)
+
+    def __call__(
+        self,
+        owner: int,
+        h: torch.Tensor,
+        executed: torch.Tensor,
+        previous: torch.Tensor,
+        stage: int = 0,
+    ) -> list[torch.Tensor]:
+        """The owner's head on rows h [B, D] with the experts they executed [B, K] and at the
+        step before [B, K'] (int64, -1: none) -> [logits fp32 [B, E]], and with stage > 0 also
+        each row's top-`stage` experts by routing.softmax_topk (ascending, [B, stage]) and
+        their mask (bool [B, E])."""
+        return self.op(h, executed, previous, *self.parts[owner], stage, self.isa)

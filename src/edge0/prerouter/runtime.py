@@ -33,14 +33,15 @@ Shape legend: H heads, R rows, D hidden, E experts, K active experts.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from edge0.machine import usable_cores
-from edge0.prerouter.head import Prerouter, StackedHeads, features
-from edge0.routing import topk_onehot
+from edge0.prerouter.head import NativeHeads, Prerouter, StackedHeads, features
+from edge0.routing import SoftmaxTopK, topk_onehot
 from edge0.store.pool import Entry, ExpertPool
 from edge0.threads import single_threaded_pool
 
@@ -76,8 +77,9 @@ def threaded_heads(head_bytes: int) -> bool:
 
 
 class PrerouterRuntime:
-    """What every request shares: the stacked heads, their thread, the wiring, the counters.
-    A request's own prediction state is a PrerouterState (`new_state`)."""
+    """What every request shares: the heads (the native op's, or stacked for torch), their
+    thread, the wiring, the counters. A request's own prediction state is a PrerouterState
+    (`new_state`)."""
 
     def __init__(
         self,
@@ -87,12 +89,12 @@ class PrerouterRuntime:
         dtype: torch.dtype = torch.float32,
         stage_width: int | None = None,
         threaded: bool | None = None,
+        native: tuple[Callable, int] | None = None,
     ):
         self.wiring = prerouter.wiring
         self.owners = self.wiring.owners
         self.consumers = self.wiring.consumers
         self.row = {o: i for i, o in enumerate(self.owners)}
-        self.heads = StackedHeads(prerouter, self.owners, dtype=dtype)
         self.blocks = {c: model.moe_block(c) for c in self.consumers}
         # experts staged per consumer (the serving plan's W, checked there): K, the prediction
         # is the routing; or W > K, the consumer's router picks its K among the W staged
@@ -105,13 +107,46 @@ class PrerouterRuntime:
         self.consumers_of: dict[int, list[int]] = {}
         for c in self.consumers:
             self.consumers_of.setdefault(self.wiring.owner_of[c], []).append(c)
+        # The heads: the native op's fp16 form (`native` = (op, isa), at serving on the CPU),
+        # else stacked at the compute dtype (training, CUDA, no native build)
+        self.native = self.heads = None
+        if native is not None:
+            self.native = NativeHeads(prerouter, self.owners, *native)
+        else:
+            self.heads = StackedHeads(prerouter, self.owners, dtype=dtype)
+        # a consumer whose staged set the op picks: the only one of its owner, softmax-routed
+        self.op_stages = {
+            o: len(cs) == 1 and type(self.blocks[cs[0]].selector) is SoftmaxTopK
+            for o, cs in self.consumers_of.items()
+        }
         # Heads on their own thread at decode, next to the layers that follow their owner
         # (torch ops release the GIL; one intra-op thread), where that pays (see threaded_heads)
         if threaded is None:
-            threaded = threaded_heads(self.heads.nbytes // max(1, len(self.owners)))
+            held = self.native if self.native is not None else self.heads
+            threaded = threaded_heads(held.nbytes // max(1, len(self.owners)))
         self.worker = None
         if threaded:
             self.worker = single_threaded_pool(1, "edge0-heads")
+
+    @torch.no_grad()
+    def predict(self, owner: int, rows: HeadRows) -> tuple[torch.Tensor, dict]:
+        """The owner's head on decode rows -> its logits [B, E] and, for each of its
+        consumers, (each row's top-W, ascending, as lists; their mask [B, E] if W > K)."""
+        if self.native is not None:
+            stage = self.stage_width if self.op_stages.get(owner) else 0
+            out = self.native(owner, rows.h, rows.executed, rows.previous, stage)
+            if stage:
+                (c,) = self.consumers_of[owner]
+                return out[0], {c: (out[1].tolist(), out[2] if self.wide else None)}
+            logits = out[0]
+        else:
+            logits = self.heads.one(self.row[owner], rows.features(self.num_experts))
+        picks = {}
+        for c in self.consumers_of.get(owner, []):
+            idx = self.blocks[c].select(logits, self.stage_width)[1]  # [B, W]
+            allowed = topk_onehot(idx, self.num_experts).bool() if self.wide else None
+            picks[c] = ([sorted(r) for r in idx.tolist()], allowed)
+        return logits, picks
 
     def new_state(self, rows: int = 1) -> PrerouterState:
         return PrerouterState(self, rows)
@@ -136,43 +171,65 @@ def observe_rows(
     xs = [s._keep(layer, h[i : i + 1], indices[i : i + 1]) for i, s in enumerate(states)]
     if any(x is None for x in xs):  # not an owner, or not a decode step with a pool: no head
         return
-    _stage_ahead(states, layer, torch.cat(xs), indices.shape[-1])
+    _stage_ahead(states, layer, HeadRows.cat(xs), indices.shape[-1])
 
 
-def _stage_ahead(states: list[PrerouterState], owner: int, x: torch.Tensor, k: int) -> None:
-    """Decode: an owner's head on its features x [B, D+2E], a row per state, and its
-    consumers' reads for the next token. On the heads thread (if any) when the owner is a
-    consumer of every state, whose experts are staged already; otherwise here, keeping room
-    for the K experts the owner reads now (decided before this thread requests them)."""
+@dataclass
+class HeadRows:
+    """A head's input for decode rows: the owner's MoE input h [B, D], the experts each row
+    executed [B, K] and at the step before [B, K] (int64; -1 where there was none)."""
+
+    h: torch.Tensor
+    executed: torch.Tensor
+    previous: torch.Tensor
+
+    @staticmethod
+    def cat(parts: list[HeadRows]) -> HeadRows:
+        if len(parts) == 1:
+            return parts[0]
+        fields = zip(*((p.h, p.executed, p.previous) for p in parts), strict=True)
+        return HeadRows(*(torch.cat(f) for f in fields))
+
+    def features(self, num_experts: int) -> torch.Tensor:
+        """The head's input as StackedHeads takes it, [B, D + 2E] (features())."""
+        return features(self.h, _hot(self.executed, num_experts), _hot(self.previous, num_experts))
+
+
+def _hot(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Multi-hot [B, E] of indices [B, K], a row of -1 giving zeros (topk_onehot else)."""
+    if bool((indices < 0).any()):
+        return topk_onehot(indices.clamp(min=0), num_experts) * (indices[:, :1] >= 0)
+    return topk_onehot(indices, num_experts)
+
+
+def _stage_ahead(states: list[PrerouterState], owner: int, rows: HeadRows, k: int) -> None:
+    """Decode: an owner's head on its rows, one per state, and its consumers' reads for the
+    next token. On the heads thread (if any) when the owner is a consumer of every state,
+    whose experts are staged already; otherwise here, keeping room for the K experts the
+    owner reads now (decided before this thread requests them)."""
     rt = states[0].rt
     reserves = [0 if owner in s.staged else k for s in states]
     if rt.worker is not None and not any(reserves):
-        ran = rt.worker.submit(_head_ahead, states, owner, x, reserves)
+        ran = rt.worker.submit(_head_ahead, states, owner, rows, reserves)
         for s in states:
             s._pending.append(ran)
     else:
-        _head_ahead(states, owner, x, reserves)
+        _head_ahead(states, owner, rows, reserves)
 
 
-@torch.no_grad()
 def _head_ahead(
-    states: list[PrerouterState], owner: int, x: torch.Tensor, reserves: list[int]
+    states: list[PrerouterState], owner: int, rows: HeadRows, reserves: list[int]
 ) -> None:
-    """The owner's head on the rows' features x [B, D+2E], and each consumer's top-W over
-    the B rows at once (the routing's ops are row by row, so each row's set is the one it
-    would choose alone); then each state's consumers' predictions and reads, in row order."""
+    """The owner's head on the rows, and each consumer's top-W over the B rows at once (the
+    routing's ops are row by row, so each row's set is the one it would choose alone); then
+    each state's consumers' predictions and reads, in row order."""
     rt = states[0].rt
     t0 = time.perf_counter_ns()
-    logits = rt.heads.one(rt.row[owner], x)  # [B, E]
-    picks = {}
-    for c in rt.consumers_of.get(owner, []):
-        idx = rt.blocks[c].select(logits, rt.stage_width)[1]  # [B, W]
-        allowed = topk_onehot(idx, rt.num_experts).bool() if rt.wide else None
-        picks[c] = (idx.tolist(), allowed)
+    logits, picks = rt.predict(owner, rows)
     for i, s in enumerate(states):
         mine = {
-            c: (sorted(rows[i]), None if allowed is None else allowed[i : i + 1])
-            for c, (rows, allowed) in picks.items()
+            c: (chosen[i], None if allowed is None else allowed[i : i + 1])
+            for c, (chosen, allowed) in picks.items()
         }
         s._predicted_by(owner, logits[i : i + 1], reserves[i], t0, mine)
         t0 = time.perf_counter_ns()
@@ -218,29 +275,31 @@ class PrerouterState:
         if x is not None:
             _stage_ahead([self], layer, x, indices.shape[-1])
 
-    def _keep(self, layer: int, h: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
-        """observe()'s bookkeeping: the owner's features of its rows' last positions kept;
-        at a decode step of one row with a pool, its head's input [1, D+2E], else None."""
+    def _keep(self, layer: int, h: torch.Tensor, indices: torch.Tensor) -> HeadRows | None:
+        """observe()'s bookkeeping: the owner's input of its rows' last positions kept; at a
+        decode step of one row with a pool, its head's input, else None."""
         rt = self.rt
         if layer not in rt.row:
             return None
-        e, rows = rt.num_experts, self.rows
+        rows = self.rows
         idx = indices.view(rows, -1, indices.shape[-1])  # [R, T, K]
         if idx.shape[1] > 1:
-            self._previous[layer] = topk_onehot(idx[:, -2], e)
+            self._previous[layer] = idx[:, -2]
         elif layer in self._executed:
             self._previous[layer] = self._executed[layer]
         else:  # the first position of a request: nothing executed before it
-            self._previous[layer] = torch.zeros(rows, e)
-
-        self._executed[layer] = topk_onehot(idx[:, -1], e)
+            self._previous[layer] = torch.full_like(idx[:, -1], -1)
+        self._executed[layer] = idx[:, -1]
         self._h[layer] = h.view(rows, -1, h.shape[-1])[:, -1].detach()
         if rt.pool is None or rows != 1 or idx.shape[1] != 1:
             return None
         # The owner's `routed` experts are about to run: staged and pinned already if it is a
         # consumer; otherwise it reads them now and needs room (_stage_ahead's reserve). Staging
         # every consumer one token ahead thus pins about (layers + 1) * K slots at most.
-        return features(self._h[layer], self._executed[layer], self._previous[layer])
+        return self._rows(layer)
+
+    def _rows(self, owner: int) -> HeadRows:
+        return HeadRows(self._h[owner], self._executed[owner], self._previous[owner])
 
     @torch.no_grad()
     def _predicted_by(
@@ -312,16 +371,22 @@ class PrerouterState:
             rt.stats.flushes += 1
             return
         t0 = time.perf_counter_ns()
-        x = torch.stack(
-            [features(self._h[o], self._executed[o], self._previous[o]) for o in rt.owners]
-        )  # [H, R, D + 2E]
-        logits = rt.heads(x)  # [H, R, E]
         staging = rt.pool is not None  # training: predictions (and W > K's sets) only
         self.allowed = {}
-        for c in rt.consumers:
-            self.predicted[c] = logits[rt.row[rt.wiring.owner_of[c]]]  # [R, E]
-            if staging or rt.wide:
-                self.chosen[c] = self._choose(c, self.predicted[c], self.allowed)
+        if rt.native is not None:  # serving: each head in its call, its staged set with it
+            for o in rt.owners:
+                logits, picks = rt.predict(o, self._rows(o))
+                for c, (chosen, allowed) in picks.items():
+                    self.predicted[c], self.chosen[c] = logits, chosen[0]
+                    if allowed is not None:
+                        self.allowed[c] = allowed
+        else:
+            x = torch.stack([self._rows(o).features(rt.num_experts) for o in rt.owners])
+            logits = rt.heads(x)  # [H, R, E]
+            for c in rt.consumers:
+                self.predicted[c] = logits[rt.row[rt.wiring.owner_of[c]]]  # [R, E]
+                if staging or rt.wide:
+                    self.chosen[c] = self._choose(c, self.predicted[c], self.allowed)
         rt.stats.head_ns += time.perf_counter_ns() - t0
         rt.stats.flushes += 1
         if not staging:
