@@ -226,6 +226,10 @@ def _head_ahead(
     rt = states[0].rt
     t0 = time.perf_counter_ns()
     logits, picks = rt.predict(owner, rows)
+    if len(states) == 1:  # (its rows are the product's)
+        mine = {c: (chosen[0], allowed) for c, (chosen, allowed) in picks.items()}
+        states[0]._predicted_by(owner, logits, reserves[0], t0, mine)
+        return
     for i, s in enumerate(states):
         mine = {
             c: (chosen[i], None if allowed is None else allowed[i : i + 1])
@@ -282,16 +286,17 @@ class PrerouterState:
         if layer not in rt.row:
             return None
         rows = self.rows
-        idx = indices.view(rows, -1, indices.shape[-1])  # [R, T, K]
-        if idx.shape[1] > 1:
+        step = rows == 1 and indices.shape[0] == 1  # a decode step: [1, K] and [1, D] as kept
+        idx = indices if step else indices.view(rows, -1, indices.shape[-1])  # [R, T, K]
+        if not step and idx.shape[1] > 1:
             self._previous[layer] = idx[:, -2]
         elif layer in self._executed:
             self._previous[layer] = self._executed[layer]
         else:  # the first position of a request: nothing executed before it
-            self._previous[layer] = torch.full_like(idx[:, -1], -1)
-        self._executed[layer] = idx[:, -1]
-        self._h[layer] = h.view(rows, -1, h.shape[-1])[:, -1].detach()
-        if rt.pool is None or rows != 1 or idx.shape[1] != 1:
+            self._previous[layer] = torch.full((rows, indices.shape[-1]), -1)
+        self._executed[layer] = idx if step else idx[:, -1]
+        self._h[layer] = h.detach() if step else h.view(rows, -1, h.shape[-1])[:, -1].detach()
+        if rt.pool is None or not step:
             return None
         # The owner's `routed` experts are about to run: staged and pinned already if it is a
         # consumer; otherwise it reads them now and needs room (_stage_ahead's reserve). Staging
