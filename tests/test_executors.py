@@ -92,7 +92,9 @@ def test_whole_layer_reads_the_next_layer_ahead(model_dir):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_decode_experts_are_bit_identical_to_the_torch_path(model_dir, dtype):
-    """The native op runs swiglu_int4's ops in the same order: equal, not merely close."""
+    """The native op runs swiglu_int4's ops in the same order: equal, not merely close; so
+    is its path for a pool with one requesting thread (`sole`: loaded experts unpinned, the
+    rest requested), which leaves nothing pinned."""
     pool = make_pool(model_dir, 64)
     fused = decode_experts("fused")
     assert fused is not torch_experts
@@ -102,8 +104,29 @@ def test_fused_decode_experts_are_bit_identical_to_the_torch_path(model_dir, dty
             for _ in range(4):
                 x = torch.randn(1, 128, generator=gen).to(dtype)
                 indices = torch.randperm(16, generator=gen)[:4][None]
+                sole = ExactExecutor(pool, layer, fused, sole=True)(x, indices)  # reads some
                 want = ExactExecutor(pool, layer)(x, indices)
                 got = ExactExecutor(pool, layer, fused)(x, indices)
                 assert got.dtype == want.dtype == dtype
-                assert torch.equal(got, want)
+                assert torch.equal(got, want) and torch.equal(sole, want)
+                assert torch.equal(ExactExecutor(pool, layer, fused, sole=True)(x, indices), want)
+                assert pool.available() == pool.num_slots
     pool.close()
+
+
+def test_only_a_pool_without_a_heads_thread_is_read_unpinned():
+    """The engine's exact executors use loaded experts unpinned only where the decoding
+    thread is the pool's one requester: not with the prerouter's heads on their thread."""
+    from edge0 import builtin
+    from edge0.engine import EngineOptions, load_engine
+
+    for opts, sole in [
+        (EngineOptions(no_prerouter=True), True),
+        (EngineOptions(heads_thread=False), True),
+        (EngineOptions(heads_thread=True), False),
+    ]:
+        engine = load_engine(builtin.model_dir(), opts)
+        try:
+            assert {ex.sole for ex in engine._exact.values()} == {sole}
+        finally:
+            engine.close()

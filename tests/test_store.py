@@ -210,3 +210,32 @@ def test_truncated_extents_file_is_named(tmp_path):
     (tmp_path / "x.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="x.safetensors: truncated"):
         ExpertFile(tmp_path / "x.safetensors")
+
+
+def test_a_peek_gives_loaded_experts_unpinned_and_keeps_them_recent(tmp_path):
+    """ExpertPool.peek: None unless every expert asked for is loaded (one missing, or a read
+    still in flight); else their bytes, nothing pinned, each made the most recently used, so
+    the next eviction takes an older entry."""
+    layout, truth = write_extents(tmp_path / "x.safetensors")
+    pool = ExpertPool(ExpertFile(tmp_path / "x.safetensors", "buffered"), layout, layout.nbytes * 3)
+    assert pool.peek(0, [0]) is None
+    gate = threading.Event()
+    read = pool.file.read_run
+    pool.file.read_run = lambda *a: (gate.wait(), read(*a))[1]
+    arriving = pool.request(0, [0, 1, 2])
+    assert pool.peek(0, [0]) is None  # pinned and arriving, not loaded
+    gate.set()
+    pool.wait(arriving)
+    pool.release(arriving)
+    assert pool.peek(1, [0]) is None and pool.peek(0, [2, 5]) is None
+    got = pool.peek(0, [2, 0])
+    assert [t.w13.data_ptr() for t in got] == [
+        pool._entries[(0, e)].tensors.w13.data_ptr() for e in (2, 0)
+    ]
+    for e in (2, 0):
+        slot = pool._entries[(0, e)].slot
+        assert torch.equal(pool._slots[slot], finalized(layout, truth[(0, e)]))
+    assert pool.available() == pool.num_slots  # nothing pinned
+    pool.wait(pool.request(0, [3]))  # evicts the least recently used: 1, not the peeked
+    assert (0, 1) not in pool._entries and {(0, 0), (0, 2)} <= set(pool._entries)
+    pool.close()

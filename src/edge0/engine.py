@@ -266,7 +266,11 @@ class Engine:
         self._layers = {}
         if isinstance(self.decode_experts, FusedExperts):
             self._layers = native_layers(model, options.cache_dir)
-        self._exact = {i: ExactExecutor(pool, i, self.decode_experts) for i in self.moe_layers}
+        # with no heads thread, every request to the pool comes from the thread that decodes
+        sole = prerouter is None or prerouter.worker is None
+        self._exact = {
+            i: ExactExecutor(pool, i, self.decode_experts, sole) for i in self.moe_layers
+        }
         bound = plan.floor.prefix_cache
         self.prefix_cache = PrefixCache(bound) if bound else None
         # measured as requests run, for start_together's choice between a restored prefix

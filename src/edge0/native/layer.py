@@ -34,8 +34,6 @@ from edge0.models.int4 import Int4Linear
 from edge0.models.layers import Attention, KVCache, RMSNorm
 from edge0.routing import SoftmaxTopK
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
 
 def _projection(m: nn.Module) -> tuple[list[torch.Tensor], float] | None:
     """The op's tensors for one projection and its LoRA scale, or None if it cannot take it."""
@@ -120,8 +118,13 @@ class NativeLayer:
         take a projection (an adapter of another kind swapped in)."""
         layer, a = self.layer, self.mixer
         modules = a._modules  # (nn.Module's attribute lookup costs several dict lookups)
-        projections = [modules[name] for name in PROJECTIONS]
-        key = tuple([(m, getattr(m, "enabled", None)) for m in projections])
+        q, k, v, o = modules["q_proj"], modules["k_proj"], modules["v_proj"], modules["o_proj"]
+        projections = (q, k, v, o)
+        # an adapter's switch (lora.py), read from the instance: getattr on a projection
+        # without one raises inside nn.Module.__getattr__, ~4 us each
+        on = "enabled"
+        key = (q, k, v, o, q.__dict__.get(on), k.__dict__.get(on), v.__dict__.get(on))
+        key += (o.__dict__.get(on),)
         if key != self._key:
             self._key, self._args = key, None
             parts = [_projection(m) for m in projections]

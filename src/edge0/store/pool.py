@@ -139,10 +139,15 @@ class ExpertPool:
         """
         keys = [(layer, int(e)) for e in experts]
         with self._lock:  # the common case at decode: every one of them resident or arriving
-            present = [self._entries.get(k) for k in keys]
+            get = self._entries.get
+            present = [get(k) for k in keys]
             if None not in present:
-                for entry in present:
-                    self._pin_present(entry)
+                move = self._entries.move_to_end
+                for entry in present:  # _pin_present, inlined: this runs K times a layer
+                    move(entry.key)
+                    self._pinned += entry.pins == 0
+                    entry.pins += 1
+                self.stats.hits += len(present)
                 return present
         wanted = set(keys)
         while True:
@@ -176,6 +181,22 @@ class ExpertPool:
         for run in _runs(missing):
             self._io.submit(self._load_run, layer, run)
         return out
+
+    def peek(self, layer: int, experts: Sequence[int]) -> list[ExpertTensors] | None:
+        """The tensors of `layer`'s experts if every one is loaded, each made the most
+        recently used, without pinning them; else None (request them). Only for a caller on
+        the one thread that requests from this pool, which uses them before it requests
+        again: evicting happens in request(), so nothing can take their slots meanwhile."""
+        with self._lock:
+            get = self._entries.get
+            present = [get((layer, e)) for e in experts]
+            if None in present or not all(en.loaded for en in present):
+                return None
+            move = self._entries.move_to_end
+            for entry in present:
+                move(entry.key)
+            self.stats.hits += len(present)
+        return [en.tensors for en in present]
 
     def _pin(self, keys: list[tuple[int, int]]) -> tuple[list[Entry], list[Entry]]:
         """Under the lock: pin keys, creating entries (and taking slots) for missing ones.

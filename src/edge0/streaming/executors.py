@@ -89,17 +89,16 @@ class FusedExperts:
     def __call__(
         self, x: torch.Tensor, indices: torch.Tensor, tensors: dict[int, ExpertTensors]
     ) -> torch.Tensor:
-        rows = []
-        for t, experts in enumerate(indices.tolist()):
-            ts = [tensors[e] for e in experts]
-            fields = (
-                [a.w13 for a in ts],
-                [a.p13 for a in ts],
-                [a.w2 for a in ts],
-                [a.p2 for a in ts],
-            )
-            rows.append(self.op(x[t : t + 1], *fields, self.layout, self.isa))  # [K, D]
+        rows = [
+            self.row(x[t : t + 1], [tensors[e] for e in experts])
+            for t, experts in enumerate(indices.tolist())
+        ]
         return rows[0][None] if len(rows) == 1 else torch.stack(rows)  # [T, K, D]
+
+    def row(self, x: torch.Tensor, ts: list[ExpertTensors]) -> torch.Tensor:
+        """One token x [1, D] through the experts ts, in order -> [K, D]."""
+        fields = ([a.w13 for a in ts], [a.p13 for a in ts], [a.w2 for a in ts], [a.p2 for a in ts])
+        return self.op(x, *fields, self.layout, self.isa)
 
 
 class RowExperts:
@@ -167,10 +166,35 @@ class DecodeExecutor:
 
 
 class ExactExecutor(DecodeExecutor):
-    """Decode path: pin the routed experts (reading the missing ones), compute, unpin."""
+    """Decode path: pin the routed experts (reading the missing ones), compute, unpin.
+    `sole`: this thread is the only one that requests from the pool (no heads thread), so a
+    token whose experts are all loaded uses them unpinned (ExpertPool.peek)."""
 
-    def __init__(self, pool: ExpertPool, layer: int, compute: DecodeExperts = torch_experts):
+    def __init__(
+        self,
+        pool: ExpertPool,
+        layer: int,
+        compute: DecodeExperts = torch_experts,
+        sole: bool = False,
+    ):
         self.pool, self.layer, self.compute = pool, layer, compute
+        self.fused, self.sole = isinstance(compute, FusedExperts), sole
+
+    def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if not (self.fused and x.shape[0] == 1):
+            return super().__call__(x, indices)
+        # a decode token through the native op: its experts in routing order, which is the
+        # op's (what pin and FusedExperts do, without the sorted set and the dict)
+        experts = indices.tolist()[0]
+        if self.sole:
+            tensors = self.pool.peek(self.layer, experts)
+            if tensors is not None:
+                return self.compute.row(x, tensors)[None]  # [1, K, D]
+        entries = self.pool.request(self.layer, experts)
+        try:
+            return self.compute.row(x, self.pool.wait(entries))[None]  # [1, K, D]
+        finally:
+            self.pool.release(entries)
 
     def pin(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[dict, list[Entry]]:
         """The routed experts pinned, read if missing: (their tensors, the entries to
