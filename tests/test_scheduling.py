@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+import edge0.engine as engine_module
 from edge0 import builtin
 from edge0.bench.serving import stream_chat
 from edge0.cli_args import with_flags
@@ -254,6 +255,43 @@ def row_engines(tmp_path_factory):
     yield engines
     for e in engines.values():
         e.close()
+
+
+def test_prompts_prefilled_together_predict_once_per_head_as_each_alone(whole_prompts, monkeypatch):
+    """After a forward of several prompts, each owner's head runs once over their last
+    positions (flush_rows) and each request gets the predictions, sets and staged reads its
+    own flush() gives it from the same forward: the native head's rows are their own bits."""
+    engine = whole_prompts
+    tok = engine.tokenizer
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os", "class Config(object):")]
+    rt, calls = engine.prerouter, []
+    predict = rt.predict
+
+    def counted(owner, rows):
+        calls.append(rows.h.shape[0])
+        return predict(owner, rows)
+
+    def made(each: bool):
+        with monkeypatch.context() as m:
+            m.setattr(rt, "predict", counted)
+            if each:
+                m.setattr(engine_module, "flush_rows", lambda states: [s.flush() for s in states])
+            reqs = [engine.new_request() for _ in prompts]
+            calls.clear()
+            engine.prefill_together(reqs, prompts)
+        got = [(r.pre.predicted, r.pre.chosen, r.pre.allowed, staged_keys(r)) for r in reqs]
+        for r in reqs:
+            r.release()
+        return got, list(calls)
+
+    once, calls_once = made(each=False)
+    each, calls_each = made(each=True)
+    assert calls_once == [3] * len(rt.owners) and calls_each == [1] * (3 * len(rt.owners))
+    for a, b in zip(once, each, strict=True):
+        assert a[0].keys() == b[0].keys() and all(torch.equal(a[0][c], b[0][c]) for c in a[0])
+        assert a[1] == b[1] and a[3] == b[3] and a[3]
+        assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][c], b[2][c]) for c in a[2])
+    assert engine.pool.available() == engine.pool.num_slots
 
 
 def staged_keys(req) -> dict | None:

@@ -40,7 +40,12 @@ from edge0.options import EngineOptions
 from edge0.plan import ServingPlan, make_plan, model_dir_sizes
 from edge0.prefix_cache import PrefixCache, PrefixStats
 from edge0.prerouter.head import Prerouter
-from edge0.prerouter.runtime import PrerouterRuntime, PrerouterState, PrerouterStats
+from edge0.prerouter.runtime import (
+    PrerouterRuntime,
+    PrerouterState,
+    PrerouterStats,
+    flush_rows,
+)
 from edge0.sampling import Sampler, SamplingParams
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import ExpertFile
@@ -413,10 +418,10 @@ class Engine:
         self.prompt_token_s.add((time.perf_counter() - t0) / sum(lengths))
         for i, (req, ids) in enumerate(zip(reqs, prompts, strict=True)):
             req.cache.copy_row(batch, i, len(ids))
-            if req.pre is not None:
-                req.pre.flush()  # heads on the last prompt position, as decode.prefill
             req.exact += len(ids)
             req.tokens += ids
+        if self.prerouter is not None:  # heads on the last prompt positions, as decode.prefill
+            flush_rows([req.pre for req in reqs])
         return list(logits)
 
     @torch.inference_mode()

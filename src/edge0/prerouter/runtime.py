@@ -362,42 +362,92 @@ class PrerouterState:
         """After a token's logits: the predictions for the next token become current.
 
         At decode they were made (and their reads started) layer by layer during the forward;
-        after prefill, or in training, every head runs here in one batch.
+        after prefill, or in training, every head runs here (flush_rows: once over several
+        requests' rows).
         """
         rt = self.rt
         self._join()
-        if len(self._next_predicted) == len(rt.consumers):
-            for entries in self.staged.values():  # consumers that did not run (none normally)
-                rt.pool.release(entries)
-            self.predicted, self._next_predicted = self._next_predicted, {}
-            self.staged, self._next_staged = self._next_staged, {}
-            self.chosen, self._next_chosen = self._next_chosen, {}
-            self.allowed, self._next_allowed = self._next_allowed, {}
-            rt.stats.flushes += 1
+        if self._advance():
             return
         t0 = time.perf_counter_ns()
+        if rt.native is not None:  # serving: each head in its call, its staged set with it
+            self._adopt({o: rt.predict(o, self._rows(o)) for o in rt.owners}, t0)
+            return
         staging = rt.pool is not None  # training: predictions (and W > K's sets) only
         self.allowed = {}
-        if rt.native is not None:  # serving: each head in its call, its staged set with it
-            for o in rt.owners:
-                logits, picks = rt.predict(o, self._rows(o))
-                for c, (chosen, allowed) in picks.items():
-                    self.predicted[c], self.chosen[c] = logits, chosen[0]
-                    if allowed is not None:
-                        self.allowed[c] = allowed
-        else:
-            x = torch.stack([self._rows(o).features(rt.num_experts) for o in rt.owners])
-            logits = rt.heads(x)  # [H, R, E]
-            for c in rt.consumers:
-                self.predicted[c] = logits[rt.row[rt.wiring.owner_of[c]]]  # [R, E]
-                if staging or rt.wide:
-                    self.chosen[c] = self._choose(c, self.predicted[c], self.allowed)
+        x = torch.stack([self._rows(o).features(rt.num_experts) for o in rt.owners])
+        logits = rt.heads(x)  # [H, R, E]
+        for c in rt.consumers:
+            self.predicted[c] = logits[rt.row[rt.wiring.owner_of[c]]]  # [R, E]
+            if staging or rt.wide:
+                self.chosen[c] = self._choose(c, self.predicted[c], self.allowed)
+        self._made(t0, staging)
+
+    def _advance(self) -> bool:
+        """flush() after a decode step, whose every prediction was made during it: those
+        become current (True); else False, and the heads run now."""
+        rt = self.rt
+        if len(self._next_predicted) != len(rt.consumers):
+            return False
+        for entries in self.staged.values():  # consumers that did not run (none normally)
+            rt.pool.release(entries)
+        self.predicted, self._next_predicted = self._next_predicted, {}
+        self.staged, self._next_staged = self._next_staged, {}
+        self.chosen, self._next_chosen = self._next_chosen, {}
+        self.allowed, self._next_allowed = self._next_allowed, {}
+        rt.stats.flushes += 1
+        return True
+
+    def _adopt(self, made: dict[int, tuple[torch.Tensor, dict]], t0: int) -> None:
+        """Predictions made now (owner -> rt.predict's result for this state's row) become
+        current, and their sets are staged."""
+        self.allowed = {}
+        for logits, picks in made.values():
+            for c, (chosen, allowed) in picks.items():
+                self.predicted[c], self.chosen[c] = logits, chosen[0]
+                if allowed is not None:
+                    self.allowed[c] = allowed
+        self._made(t0, staging=True)
+
+    def _made(self, t0: int, staging: bool) -> None:
+        """The heads' time counted (from t0), and with a pool each consumer's set staged
+        (what an earlier flush staged released first: a prompt fed in parts)."""
+        rt = self.rt
         rt.stats.head_ns += time.perf_counter_ns() - t0
         rt.stats.flushes += 1
         if not staging:
             return
-        for entries in self.staged.values():  # an earlier flush's sets (a prompt fed in parts)
+        for entries in self.staged.values():
             rt.pool.release(entries)
         self.staged.clear()
         for c in rt.consumers:  # in layer order: the earliest consumers need bytes first
             self._stage(c, self.chosen[c], self.staged)
+
+
+def flush_rows(states: list[PrerouterState]) -> None:
+    """Each state's flush() after one forward of several requests' prompts
+    (Engine.prefill_together): with the native heads, each owner's head runs once over
+    their rows, each row the bits it gets alone (native/heads.cpp); then each state, in
+    order, takes its predictions and stages its sets."""
+    rt = states[0].rt
+    for s in states:
+        s._join()
+    now = [s for s in states if not s._advance()]
+    if not now:
+        return
+    if rt.native is None or len(now) == 1:
+        for s in now:
+            s.flush()
+        return
+    t0 = time.perf_counter_ns()
+    made = {o: rt.predict(o, HeadRows.cat([s._rows(o) for s in now])) for o in rt.owners}
+    for i, s in enumerate(now):
+        mine = {
+            o: (
+                logits[i : i + 1],
+                {c: ([ch[i]], None if a is None else a[i : i + 1]) for c, (ch, a) in p.items()},
+            )
+            for o, (logits, p) in made.items()
+        }
+        s._adopt(mine, t0)
+        t0 = time.perf_counter_ns()
