@@ -442,3 +442,29 @@ def test_heads_get_a_thread_where_a_core_is_free_or_they_are_large():
             assert threaded_heads(1)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("variant, threaded", [("", None), ("+thread", True), ("+inline", False)])
+def test_a_bench_arm_can_put_the_heads_on_their_thread_or_not(variant, threaded):
+    """`edge0 bench --arms prerouter+thread,prerouter+inline`: the heads where the arm says
+    (the built-in model's run inline by default on 2 cores), the same replayed decode."""
+    from edge0 import builtin
+    from edge0.bench import ab, arm
+    from edge0.machine import usable_cores
+
+    assert ab._valid_arm("prerouter" + variant) and not ab._valid_arm("ondemand+thread")
+    spec = {
+        "arm": "prerouter" + variant,
+        "model_dir": str(builtin.model_dir()),
+        "top_k": None,
+        "io_mode": "buffered",
+        "io_threads": 4,
+        "prerouter": str(builtin.model_dir() / "prerouter.safetensors"),
+        "tokens": [5, 6, 7, 8, 9, 10],
+        "warmup": 2,
+    }
+    out = arm.run(spec)
+    if threaded is None:  # small heads: a thread only where a core is left for it
+        threaded = usable_cores() > torch.get_num_threads()
+    assert out["heads_thread"] is threaded
+    assert out["steps"] == 3 and out["dropped"] == 0

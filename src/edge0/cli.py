@@ -371,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="prerouter,ondemand,resident",
         help="comma-separated: prerouter, ondemand, resident; +nolora serves an arm without "
         "the LoRA, +torch with the pure-PyTorch expert path (--expert-kernel torch), "
-        "prerouter+wN stages N experts per layer (--stage-width N)",
+        "prerouter+wN stages N experts per layer (--stage-width N), prerouter+thread and "
+        "prerouter+inline run the heads on a thread of their own or on the decoding thread",
     )
     b.add_argument("--top-k", type=int, default=None, help="routed experts per token")
     b.add_argument(

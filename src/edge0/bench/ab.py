@@ -50,7 +50,8 @@ class BenchConfig:
 def _valid_arm(arm: str) -> bool:
     name, _, variant = arm.partition("+")
     wide = name == "prerouter" and variant[:1] == "w" and variant[1:].isdigit()
-    return name in ARMS and (variant in ("", "nolora", "torch") or wide)
+    heads = name == "prerouter" and variant in ("thread", "inline")
+    return name in ARMS and (variant in ("", "nolora", "torch") or wide or heads)
 
 
 def base(arm: str) -> str:
@@ -133,7 +134,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
     if not all(_valid_arm(a) for a in cfg.arms):
         raise ValueError(
             f"--arms: choose from {', '.join(ARMS)}, each optionally +nolora or +torch, "
-            "and prerouter+wN (a stage width of N experts)"
+            "and prerouter+wN (a stage width of N experts), prerouter+thread or +inline"
         )
     capped = [a for a in cfg.arms if base(a) != "resident"]
     if capped and not cgroup.available():

@@ -2,10 +2,10 @@
 
 Invoked as `python -m edge0.bench.arm SPEC.json OUT.json` by the orchestrator (edge0.bench.ab).
 The spec names the model, the arm (prerouter | ondemand | resident, optionally +nolora, +torch
-for the pure-PyTorch expert path instead of the fused op, or prerouter+wN for a stage width of
-N experts), K, the pool size, the
-token sequence and the number of warm-up steps. The arm prefills the first token, runs the
-warm-up steps, then times each replayed decode step.
+for the pure-PyTorch expert path instead of the fused op, prerouter+wN for a stage width of
+N experts, prerouter+thread or +inline for the heads on a thread of their own or not), K, the
+pool size, the token sequence and the number of warm-up steps. The arm prefills the first
+token, runs the warm-up steps, then times each replayed decode step.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from edge0.engine import EngineOptions, load_engine
 
 
 def run(spec: dict) -> dict:
-    arm, _, variant = spec["arm"].partition("+")  # +nolora, +torch, or +wN: stage width N
+    arm, _, variant = spec["arm"].partition("+")  # +nolora, +torch, +thread, +inline, +wN
     width = int(variant[1:]) if variant[:1] == "w" and variant[1:].isdigit() else None
     opts = EngineOptions(
         top_k=spec["top_k"],
@@ -34,6 +34,7 @@ def run(spec: dict) -> dict:
         no_lora=variant == "nolora",
         expert_kernel="torch" if variant == "torch" else EngineOptions.expert_kernel,
         stage_width=width,
+        heads_thread={"thread": True, "inline": False}.get(variant),
     )
     engine = load_engine(spec["model_dir"], opts)
     tokens = spec["tokens"]
@@ -75,6 +76,7 @@ def run(spec: dict) -> dict:
         "peak_file_bytes": peaks.peak_file,
         "pool_bytes": engine.plan.pool_bytes,
         "floor_bytes": engine.plan.floor.total,
+        "heads_thread": engine.prerouter is not None and engine.prerouter.worker is not None,
     }
     engine.close()
     return out
