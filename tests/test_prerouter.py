@@ -428,18 +428,19 @@ def test_heads_training_order_is_a_permutation_read_a_few_chunks_at_a_time():
     assert not torch.equal(order[: chunk * group].sort().values, order[: chunk * group])
 
 
-def test_heads_get_a_thread_where_a_core_is_free_or_they_are_large():
+def test_heads_get_a_thread_where_a_core_is_free_or_torch_heads_are_large():
     from edge0.machine import usable_cores
     from edge0.prerouter.runtime import HEADS_THREAD_MIN_BYTES, threaded_heads
 
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(usable_cores())  # the intra-op threads take every core
-        assert not threaded_heads(HEADS_THREAD_MIN_BYTES - 1)
-        assert threaded_heads(HEADS_THREAD_MIN_BYTES)
+        assert not threaded_heads(HEADS_THREAD_MIN_BYTES - 1, native=False)
+        assert threaded_heads(HEADS_THREAD_MIN_BYTES, native=False)
+        assert not threaded_heads(4 * HEADS_THREAD_MIN_BYTES, native=True)
         if usable_cores() > 1:
             torch.set_num_threads(usable_cores() - 1)  # one core left
-            assert threaded_heads(1)
+            assert threaded_heads(1, native=False) and threaded_heads(1, native=True)
     finally:
         torch.set_num_threads(threads)
 

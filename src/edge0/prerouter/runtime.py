@@ -12,7 +12,7 @@ each consumer routes by `predicted[consumer]`, so the experts it runs are exactl
 experts staged for it.
 
 Heads run on a thread of their own (one intra-op thread) where a core is left beside the
-intra-op threads, or where they are large (`threaded_heads`), so the compute thread goes on
+intra-op threads, or where torch's heads are large (`threaded_heads`), so the compute thread goes on
 with the next layers while a head evaluates; `flush` waits for them. Small heads on a machine
 whose intra-op threads take every core run on the compute thread: a thread there only
 contends with them (the built-in model's decode step 6.0 ms with one, 5.2 ms without). Either
@@ -62,18 +62,21 @@ class PrerouterStats:
         return PrerouterStats(**{k: v - getattr(other, k) for k, v in vars(self).items()})
 
 
-# A head at least this large is evaluated on its own thread even when the intra-op threads
-# take every core: reading its weights then overlaps the compute thread's serial parts.
+# A torch head at least this large is evaluated on its own thread even when the intra-op
+# threads take every core: reading its weights then overlaps the compute thread's serial parts.
 HEADS_THREAD_MIN_BYTES = 2 << 20
 
 
-def threaded_heads(head_bytes: int) -> bool:
+def threaded_heads(head_bytes: int, native: bool) -> bool:
     """Whether decode's heads get a thread of their own: where a core is left beside the
-    intra-op threads, or where a head is large. Measured on 2 cores with 2 intra-op threads:
-    the built-in model's heads (744 KiB each) cost more on a thread than inline (prerouter arm
-    154 -> 168 tok/s inline); the 30B-class shape's (~6 MiB each) saved 16% of the step on
-    one at K=2 under a cap (docs/prerouter.md)."""
-    return usable_cores() > torch.get_num_threads() or head_bytes >= HEADS_THREAD_MIN_BYTES
+    intra-op threads, or where a torch head is large. Measured on 2 cores with 2 intra-op
+    threads: torch's fp32 heads of the built-in model (744 KiB each) cost more on a thread
+    than inline (prerouter arm 154 -> 168 tok/s inline), the 30B-class shape's (~6 MiB each)
+    saved 16% of the step on one at K=2 under a cap; the native op's heads of the same shape
+    (2.9 MiB) cost more on a thread at K = 2, 4 and 8 (138.8 / 170.6 / 206.2 ms a step
+    against 116.4 / 146.9 / 186.6 inline: docs/prerouter.md), as on the bench shape uncapped."""
+    spare = usable_cores() > torch.get_num_threads()
+    return spare or (not native and head_bytes >= HEADS_THREAD_MIN_BYTES)
 
 
 class PrerouterRuntime:
@@ -123,7 +126,8 @@ class PrerouterRuntime:
         # (torch ops release the GIL; one intra-op thread), where that pays (see threaded_heads)
         if threaded is None:
             held = self.native if self.native is not None else self.heads
-            threaded = threaded_heads(held.nbytes // max(1, len(self.owners)))
+            per_head = held.nbytes // max(1, len(self.owners))
+            threaded = threaded_heads(per_head, native=self.native is not None)
         self.worker = None
         if threaded:
             self.worker = single_threaded_pool(1, "edge0-heads")
