@@ -215,20 +215,43 @@ class StagedExecutor(DecodeExecutor):
     def __init__(self, pool: ExpertPool, layer: int, state, compute: DecodeExperts = torch_experts):
         self.pool, self.layer, self.state = pool, layer, state  # the request's PrerouterState
         self.compute = compute
+        self.fused = isinstance(compute, FusedExperts)
+
+    def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if not (self.fused and x.shape[0] == 1):
+            return super().__call__(x, indices)
+        # a decode token through the native op, its experts in routing order (pin's work
+        # without the sorted set and the dicts of tensors)
+        experts = indices.tolist()[0]
+        by_expert, entries = self._take(experts)
+        try:
+            tensors = self.pool.wait([by_expert[e] for e in experts])
+            return self.compute.row(x, tensors)[None]  # [1, K, D]
+        finally:
+            self.pool.release(entries)
+
+    def _take(self, experts: list[int]) -> tuple[dict[int, Entry], list[Entry]]:
+        """The staged entries taken over and any routed expert that was not staged requested
+        now (counted as dropped): (entry by expert, the entries to release)."""
+        entries = self.state.take(self.layer)
+        by_expert = {en.key[1]: en for en in entries}
+        late = [e for e in experts if e not in by_expert]
+        stats = self.state.rt.stats
+        if entries:
+            stats.dropped += len(late)
+        stats.consumed += len(experts)
+        if late:
+            extra = self.pool.request(self.layer, late)
+            entries = entries + extra
+            by_expert.update((en.key[1], en) for en in extra)
+        return by_expert, entries
 
     def pin(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[dict, list[Entry]]:
         """The staged experts taken over, any routed one that was not staged read now:
         (the routed experts' tensors, the entries to release)."""
-        staged = {en.key[1]: en for en in self.state.take(self.layer)}
         experts = distinct(indices)
-        late = [e for e in experts if e not in staged]
-        stats = self.state.rt.stats
-        if staged:
-            stats.dropped += len(late)
-        stats.consumed += len(experts)
-        entries = list(staged.values()) + (self.pool.request(self.layer, late) if late else [])
+        by_expert, entries = self._take(experts)
         try:
-            by_expert = {en.key[1]: en for en in entries}
             tensors = self.pool.wait([by_expert[e] for e in experts])
         except BaseException:
             self.pool.release(entries)
