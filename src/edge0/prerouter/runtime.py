@@ -12,10 +12,11 @@ each consumer routes by `predicted[consumer]`, so the experts it runs are exactl
 experts staged for it.
 
 Heads run on a thread of their own (one intra-op thread) where a core is left beside the
-intra-op threads, or where torch's heads are large (`threaded_heads`), so the compute thread goes on
-with the next layers while a head evaluates; `flush` waits for them. Small heads on a machine
-whose intra-op threads take every core run on the compute thread: a thread there only
-contends with them (the built-in model's decode step 6.0 ms with one, 5.2 ms without). Either
+intra-op threads, or where torch's heads are large (`threaded_heads`), so the compute thread
+goes on with the next layers while a head evaluates; `flush` waits for them. Other heads on
+a machine whose intra-op threads take every core run on the compute thread: a thread there
+only contends with them (the built-in model's decode step 6.0 ms with one, 5.2 ms without).
+Either
 way a head's reads go to the I/O threads and do not block. An owner that is not itself a
 consumer (it reads its experts now) stages on the compute thread, so that the room it keeps
 for its own reads is decided before it takes it.
@@ -229,18 +230,23 @@ def _head_ahead(
     each state's consumers' predictions and reads, in row order."""
     rt = states[0].rt
     t0 = time.perf_counter_ns()
-    logits, picks = rt.predict(owner, rows)
-    if len(states) == 1:  # (its rows are the product's)
-        mine = {c: (chosen[0], allowed) for c, (chosen, allowed) in picks.items()}
-        states[0]._predicted_by(owner, logits, reserves[0], t0, mine)
-        return
+    made = rt.predict(owner, rows)
     for i, s in enumerate(states):
-        mine = {
-            c: (chosen[i], None if allowed is None else allowed[i : i + 1])
-            for c, (chosen, allowed) in picks.items()
-        }
-        s._predicted_by(owner, logits[i : i + 1], reserves[i], t0, mine)
+        s._predicted_by(owner, *_row(made, i, len(states)), reserves[i], t0)
         t0 = time.perf_counter_ns()
+
+
+def _row(made: tuple[torch.Tensor, dict], i: int, n: int) -> tuple[torch.Tensor, dict]:
+    """Row i of PrerouterRuntime.predict's result over n rows, as one row's: its logits
+    [1, E] and, per consumer, (its chosen experts, its mask [1, E] or None). A lone row is
+    the product itself, not a slice of it."""
+    logits, picks = made
+    if n == 1:
+        return logits, {c: (chosen[0], allowed) for c, (chosen, allowed) in picks.items()}
+    return logits[i : i + 1], {
+        c: (chosen[i], None if allowed is None else allowed[i : i + 1])
+        for c, (chosen, allowed) in picks.items()
+    }
 
 
 class PrerouterState:
@@ -312,7 +318,7 @@ class PrerouterState:
 
     @torch.no_grad()
     def _predicted_by(
-        self, owner: int, logits: torch.Tensor, reserve: int, t0: int, picked: dict
+        self, owner: int, logits: torch.Tensor, picked: dict, reserve: int, t0: int
     ) -> None:
         """The owner's head's prediction [1, E] for the next token: its consumers'
         predictions and chosen sets (`picked`: consumer -> (chosen, allowed or None)), and
@@ -375,7 +381,7 @@ class PrerouterState:
             return
         t0 = time.perf_counter_ns()
         if rt.native is not None:  # serving: each head in its call, its staged set with it
-            self._adopt({o: rt.predict(o, self._rows(o)) for o in rt.owners}, t0)
+            self._adopt({o: _row(rt.predict(o, self._rows(o)), 0, 1) for o in rt.owners}, t0)
             return
         staging = rt.pool is not None  # training: predictions (and W > K's sets) only
         self.allowed = {}
@@ -403,12 +409,12 @@ class PrerouterState:
         return True
 
     def _adopt(self, made: dict[int, tuple[torch.Tensor, dict]], t0: int) -> None:
-        """Predictions made now (owner -> rt.predict's result for this state's row) become
-        current, and their sets are staged."""
+        """Predictions made now (owner -> this state's row of them, _row) become current,
+        and their sets are staged."""
         self.allowed = {}
         for logits, picks in made.values():
             for c, (chosen, allowed) in picks.items():
-                self.predicted[c], self.chosen[c] = logits, chosen[0]
+                self.predicted[c], self.chosen[c] = logits, chosen
                 if allowed is not None:
                     self.allowed[c] = allowed
         self._made(t0, staging=True)
@@ -446,12 +452,5 @@ def flush_rows(states: list[PrerouterState]) -> None:
     t0 = time.perf_counter_ns()
     made = {o: rt.predict(o, HeadRows.cat([s._rows(o) for s in now])) for o in rt.owners}
     for i, s in enumerate(now):
-        mine = {
-            o: (
-                logits[i : i + 1],
-                {c: ([ch[i]], None if a is None else a[i : i + 1]) for c, (ch, a) in p.items()},
-            )
-            for o, (logits, p) in made.items()
-        }
-        s._adopt(mine, t0)
+        s._adopt({o: _row(m, i, len(now)) for o, m in made.items()}, t0)
         t0 = time.perf_counter_ns()

@@ -153,16 +153,32 @@ class DecodeExecutor:
 
     pool: ExpertPool
     compute: DecodeExperts
+    fused: bool  # compute is FusedExperts: a decode token goes to its op in routing order
 
     def pin(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[dict, list[Entry]]:
         raise NotImplementedError
 
+    def token(self, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
+        """One token x [1, D] through its routed experts, in routing order, with the native
+        op -> [K, D] (what pin and FusedExperts do, without the sorted set and the dicts)."""
+        raise NotImplementedError
+
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.shape[0] == 1:
+            return self.token(x, indices.tolist()[0])[None]
         tensors, entries = self.pin(x, indices)
         try:
             return self.compute(x, indices, tensors)
         finally:
             self.pool.release(entries)
+
+    def _computed(self, x: torch.Tensor, routed: list[Entry], held: list[Entry]) -> torch.Tensor:
+        """x through the routed experts' entries (in routing order) with the op, once they
+        have landed; then the entries held for it unpinned."""
+        try:
+            return self.compute.row(x, self.pool.wait(routed))
+        finally:
+            self.pool.release(held)
 
 
 class ExactExecutor(DecodeExecutor):
@@ -180,21 +196,13 @@ class ExactExecutor(DecodeExecutor):
         self.pool, self.layer, self.compute = pool, layer, compute
         self.fused, self.sole = isinstance(compute, FusedExperts), sole
 
-    def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if not (self.fused and x.shape[0] == 1):
-            return super().__call__(x, indices)
-        # a decode token through the native op: its experts in routing order, which is the
-        # op's (what pin and FusedExperts do, without the sorted set and the dict)
-        experts = indices.tolist()[0]
+    def token(self, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
         if self.sole:
             tensors = self.pool.peek(self.layer, experts)
             if tensors is not None:
-                return self.compute.row(x, tensors)[None]  # [1, K, D]
+                return self.compute.row(x, tensors)
         entries = self.pool.request(self.layer, experts)
-        try:
-            return self.compute.row(x, self.pool.wait(entries))[None]  # [1, K, D]
-        finally:
-            self.pool.release(entries)
+        return self._computed(x, entries, entries)
 
     def pin(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[dict, list[Entry]]:
         """The routed experts pinned, read if missing: (their tensors, the entries to
@@ -217,18 +225,9 @@ class StagedExecutor(DecodeExecutor):
         self.compute = compute
         self.fused = isinstance(compute, FusedExperts)
 
-    def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if not (self.fused and x.shape[0] == 1):
-            return super().__call__(x, indices)
-        # a decode token through the native op, its experts in routing order (pin's work
-        # without the sorted set and the dicts of tensors)
-        experts = indices.tolist()[0]
+    def token(self, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
         by_expert, entries = self._take(experts)
-        try:
-            tensors = self.pool.wait([by_expert[e] for e in experts])
-            return self.compute.row(x, tensors)[None]  # [1, K, D]
-        finally:
-            self.pool.release(entries)
+        return self._computed(x, [by_expert[e] for e in experts], entries)
 
     def _take(self, experts: list[int]) -> tuple[dict[int, Entry], list[Entry]]:
         """The staged entries taken over and any routed expert that was not staged requested
