@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import edge0.engine as engine_module
+import edge0.server.worker as worker_module
 from edge0 import builtin
 from edge0.bench.serving import stream_chat
 from edge0.cli_args import with_flags
@@ -32,6 +33,7 @@ from edge0.engine import (
 from edge0.plan import ModelSizes, make_plan
 from edge0.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
+from edge0.server.arrivals import Arrivals
 from edge0.server.worker import Done, Job, Token, Worker
 from edge0.threads import single_threaded_pool
 from test_families import make_checkpoint
@@ -512,36 +514,39 @@ def test_the_generation_thread_steps_active_requests_together(engine, batch_deco
     assert d.forwards < d.rows if batch_decode else d.forwards == d.rows
 
 
-def test_requests_prefilled_together_join_the_next_decode_step(whole_prompts, monkeypatch):
-    """Two requests admitted one turn apart while a third decodes, so that the decoding one
-    stands between them in the line: their prompts prefill in one forward, and each samples
-    its first token at once, so the next decode forward holds all three rows (not the
-    decoding one and the first of the two, with the second a forward behind)."""
+def test_requests_admitted_mid_decode_prefill_next_and_join_the_next_step(
+    whole_prompts, monkeypatch
+):
+    """Two requests submitted while a third decodes: their prompts prefill in one forward,
+    the very next one (the decoding request's next step waits for it, where before it ran
+    first), and each samples its first token at once, so the next decode forward holds all
+    three rows (not the decoding one and the first of the two, with the second a forward
+    behind)."""
     engine = whole_prompts
     engine.prefix_cache.clear()
-    calls: list[tuple[str, int]] = []
+    events: list[tuple[str, object]] = []
+    calls: list[tuple[str, int, int]] = []  # (forward, rows, the long one's tokens by then)
 
     def counted(name, run):
         def call(reqs, arg):
-            calls.append((name, len(reqs)))
+            long_tokens = sum(n == "long" and isinstance(e, Token) for n, e in events)
+            calls.append((name, len(reqs), long_tokens))
             return run(reqs, arg)
 
         return call
 
     monkeypatch.setattr(engine, "prefill_together", counted("prefill", engine.prefill_together))
     monkeypatch.setattr(engine, "step_rows", counted("step", engine.step_rows))
-    events: list[tuple[str, object]] = []
     sink = sinks(events)
     tok, greedy = engine.tokenizer, SamplingParams(temperature=0)
     worker = Worker(engine)
-    arrivals = {3: ("a", "import os\n"), 4: ("b", "class Stack:")}  # at the long one's tokens
 
     def long_sink(event):
         sink("long")(event)
         n = sum(name == "long" and isinstance(e, Token) for name, e in events)
-        if isinstance(event, Token) and n in arrivals:  # on the generation thread, mid-turn
-            name, text = arrivals.pop(n)
-            worker.submit(Job(tok.encode(text), 4, greedy, sink(name)))
+        if isinstance(event, Token) and n == 3:  # on the generation thread, mid-turn
+            for name, text in (("a", "import os\n"), ("b", "class Stack:")):
+                worker.submit(Job(tok.encode(text), 4, greedy, sink(name)))
 
     worker.start()
     try:
@@ -552,8 +557,67 @@ def test_requests_prefilled_together_join_the_next_decode_step(whole_prompts, mo
             time.sleep(0.01)
     finally:
         worker.stop()
-    first = calls.index(("prefill", 2))
-    assert calls[first + 1] == ("step", 3), calls
+    first = next(i for i, c in enumerate(calls) if c[0] == "prefill")
+    assert calls[first] == ("prefill", 2, 3), calls
+    assert calls[first + 1][:2] == ("step", 3), calls
+
+
+def test_arrivals_are_waited_for_once_each_and_at_most_the_limit():
+    arrivals = Arrivals()
+    assert arrivals.settle(10.0) == 0.0  # nothing on its way
+    coming = arrivals.enter()
+    threading.Timer(0.1, coming.done).start()
+    assert 0.05 < arrivals.settle(10.0) < 5.0  # until it was submitted
+    assert arrivals.open == 0
+    stuck = arrivals.enter()  # one that never arrives: one wait of the limit, not one per forward
+    assert 0.04 < arrivals.settle(0.05) < 5.0
+    assert arrivals.settle(10.0) == 0.0
+    arrivals.enter()  # another on its way: waited for again
+    assert arrivals.settle(0.05) > 0.04
+    stuck.done()
+    stuck.done()  # (a second call is nothing)
+    assert arrivals.open == 1
+
+
+def test_the_generation_thread_waits_for_requests_still_arriving(whole_prompts, monkeypatch):
+    """A request the server is still receiving when another is submitted: the thread runs no
+    forward until it is submitted too, and both prompts prefill in one forward."""
+    engine = whole_prompts
+    engine.prefix_cache.clear()
+    monkeypatch.setattr(worker_module, "ARRIVAL_WAIT_S", 60.0)
+    calls: list[tuple[str, int]] = []
+    prefill, generate = engine.prefill_together, engine.generate
+
+    def counted(reqs, prompts):
+        calls.append(("prefill", len(reqs)))
+        return prefill(reqs, prompts)
+
+    def generations(*a, **kw):
+        calls.append(("admitted", 1))
+        return generate(*a, **kw)
+
+    monkeypatch.setattr(engine, "prefill_together", counted)
+    monkeypatch.setattr(engine, "generate", generations)
+    events: list[tuple[str, object]] = []
+    sink = sinks(events)
+    tok, greedy = engine.tokenizer, SamplingParams(temperature=0)
+    arrivals = Arrivals()
+    worker = Worker(engine, arrivals=arrivals)
+    coming = arrivals.enter()
+    worker.start()
+    try:
+        worker.submit(Job(tok.encode("import os\n"), 4, greedy, sink("a")))
+        time.sleep(0.3)
+        assert calls == [] and events == []  # waiting for the one on its way
+        worker.submit(Job(tok.encode("class Stack:"), 4, greedy, sink("b")))
+        coming.done()
+        deadline = time.monotonic() + 60
+        while sum(isinstance(e, Done) for _, e in events) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    assert calls[:3] == [("admitted", 1), ("admitted", 1), ("prefill", 2)], calls
 
 
 # -- 8 concurrent chat requests over HTTP -------------------------------------------------------

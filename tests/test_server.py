@@ -198,8 +198,12 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base(engine):
-    app = create_app(engine, ServerOptions(model_name="tiny", queue_size=16, default_max_tokens=8))
+def app(engine):
+    return create_app(engine, ServerOptions(model_name="tiny", queue_size=16, default_max_tokens=8))
+
+
+@pytest.fixture(scope="module")
+def base(app):
     with live_server(app) as url:
         yield url
 
@@ -488,6 +492,35 @@ def test_bad_chat_requests_get_a_4xx_in_openai_shape(base, body, status, param):
         # the same request streamed is refused before any event is sent
         r = post(base, "/v1/chat/completions", {**body, "stream": True})
         assert_error_shape(r, status)
+
+
+def test_a_request_stops_arriving_once_submitted_or_answered(app, base):
+    """The generation thread waits for requests still arriving (server/arrivals.py): one
+    counts only until its job is submitted, so not while its stream runs, and a refused or
+    malformed one not after its answer."""
+    worker = app.state.edge0.worker
+    arrivals = worker.arrivals
+    body = {**GOOD, "max_tokens": 64, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the stream has begun: its job was submitted
+        assert arrivals.open == 0
+    assert worker.wait_idle(60)  # (the stream left behind ends)
+    with ThreadPoolExecutor(1) as pool:  # a whole answer: its response starts at its end
+        whole = pool.submit(post, base, "/v1/chat/completions", {**GOOD, "max_tokens": 400})
+        while not worker.depth:
+            time.sleep(0.001)
+        during = arrivals.open
+        assert worker.depth  # (still generating when `during` was read)
+        assert during == 0
+        assert whole.result().is_success
+    assert_error_shape(post(base, "/v1/chat/completions", {**GOOD, "top_p": 2}), 400)
+    assert_error_shape(post(base, "/v1/chat/completions", "{not json"), 400)
+    assert_error_shape(post(base, "/v1/completions", {"model": "tiny", "prompt": LONG}), 400)
+    assert post(
+        base, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    ).is_success
+    assert arrivals.open == 0
 
 
 def test_prompt_over_the_context_is_named(base):

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from edge0.limits import CHAT_MAX_TOKENS
 from edge0.prompt import ChatTemplate
 from edge0.server import chat_api, completions_api, errors
+from edge0.server.arrivals import Arrivals, CountArrivals
 from edge0.server.failsafe import Failsafe
 from edge0.server.jobs import SamplingDefaults
 from edge0.server.logprobs import TokenStrings
@@ -51,6 +52,10 @@ ENDPOINTS = {
 }
 
 
+# the routes whose requests the generation thread waits for (server/arrivals.py)
+GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
+
+
 def endpoint_label(path: str) -> str:
     if path.startswith("/v1/models/"):
         return "models"
@@ -72,12 +77,14 @@ def create_app(
     """
     opts = options or ServerOptions()
     metrics = Metrics(engine, lambda: worker.depth, endpoint_label)
+    arrivals = Arrivals()
     worker = Worker(
         engine,
         opts.queue_size,
         on_generated=metrics.generation_ended,
         tracebacks=opts.tracebacks,
         compute=compute,
+        arrivals=arrivals,
     )
     state = ServerState(
         model_name=opts.model_name or engine.path.name,
@@ -104,6 +111,8 @@ def create_app(
     app = FastAPI(title="edge0", version="1", lifespan=lifespan, strict_content_type=False)
     app.state.edge0 = state
     errors.install(app)
+    # inside the guard: a request counts as arriving once its whole body is in
+    app.add_middleware(CountArrivals, arrivals=arrivals, paths=GENERATION_PATHS)
     app.add_middleware(Guard, api_key=opts.api_key, max_bytes=opts.max_body_bytes)
     # added last: the outermost
     app.add_middleware(Failsafe, count=metrics.response, tracebacks=opts.tracebacks)

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from edge0.prompt import ChatTemplate
+from edge0.server import arrivals
 from edge0.server.errors import APIError
 from edge0.server.jobs import Pending, SamplingDefaults, shutting_down
 from edge0.server.logprobs import TokenStrings
@@ -33,6 +34,7 @@ class ServerState:
 
     def submit(self, endpoint: str, **job) -> Pending:
         """Queue a generation (see Pending); a refusal is counted in the metrics."""
+        arrivals.submitted()  # before the worker hears of it: it need not wait for this one
         try:
             return Pending(self.worker, **job)
         except APIError as e:  # 429 queue full, or 503 while shutting down

@@ -8,17 +8,19 @@ Scheduling: up to `engine.plan.max_active` requests are active at once, each wit
 state (KV cache, prerouter features, staged experts), which the serving plan has counted.
 The thread takes the active requests in turn, round robin, and runs one forward of each: a
 decode step, or one chunk of at most prefill_chunk prompt tokens. So no request holds the
-engine while another waits: a newly admitted request runs its first forward after at most one
-forward of each other active request, and a long prompt shares the thread chunk by chunk.
-When a request's first turn comes, every other active request that has not started yet
-starts with it: their prompts (each within one chunk) prefill in one forward
-(Engine.start_together), so the last of seven chat requests arriving together waits for one
-batched prefill, not for six others in turn; each of them then samples its first token at
-once, so their first decode steps are one forward too. Likewise, when a request's decode
-step comes, every active request waiting for a decode step joins it in one forward
-(Engine.step_together) and they all go to the back of the line, so a turn of the line is one
-decode forward for all the decoding requests plus one prompt chunk of each prefilling one
-(EngineOptions.batch_decode; off, each decode step is a turn of its own).
+engine while another waits, and a long prompt shares the thread chunk by chunk. A newly
+admitted request goes first: its first forward is the next one (a decoding request then
+waits one forward per request admitted since its last step, at most max_active - 1). Every
+other active request that has not started yet starts with it: their prompts (each within one
+chunk) prefill in one forward (Engine.start_together), so the last of seven chat requests
+arriving together waits for one batched prefill, not for six others in turn; each of them then
+samples its first token at once, so their first decode steps are one forward too. Before each
+forward the thread lets the requests the server is still receiving arrive (server/arrivals.py:
+at most ARRIVAL_WAIT_S, once per arrival), so that they join that batch. Likewise, when a
+request's decode step comes, every active request waiting for a decode step joins it in one
+forward (Engine.step_together) and they all go to the back of the line, so a turn of the line
+is one decode forward for all the decoding requests plus one prompt chunk of each prefilling
+one (EngineOptions.batch_decode; off, each decode step is a turn of its own).
 
 Requests beyond max_active wait in a bounded FIFO and are admitted in arrival order as active
 ones end; when the FIFO is full, submit() refuses at once (the caller answers 429) instead of
@@ -41,12 +43,18 @@ from dataclasses import dataclass, field
 
 from edge0.engine import GenerationStats
 from edge0.sampling import SamplingParams
+from edge0.server.arrivals import Arrivals
 from edge0.server.logprobs import HeldLogprobs, TokenLogprob, token_logprob
 from edge0.stops import StopMatcher
 from edge0.threads import ComputeThread
 from edge0.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
+
+# The longest the thread waits before a forward for requests the server is still receiving
+# (arrivals.py). One arrival takes ~1 ms to reach the worker on an idle server (the built-in
+# model's chat, 2 cores); seven at once, 8-15 ms.
+ARRIVAL_WAIT_S = 0.02
 
 CANCELLED = "cancelled"  # the client left
 SHUTTING_DOWN = "shutting_down"  # the server is stopping
@@ -131,6 +139,7 @@ class Worker:
         on_generated: Callable[[GenerationStats], None] | None = None,
         tracebacks: bool = False,
         compute: ComputeThread | None = None,
+        arrivals: Arrivals | None = None,
     ):
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
@@ -140,6 +149,7 @@ class Worker:
         self.batch_decode = engine.options.batch_decode
         self.on_generated = on_generated  # every generation that ran, however it ended
         self.tracebacks = tracebacks  # log a failed generation's traceback, not just one line
+        self.arrivals = arrivals  # requests still being received, waited for before a forward
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: collections.deque[_Active] = collections.deque()  # next to run first
         self._cv = threading.Condition()
@@ -232,15 +242,20 @@ class Worker:
                     if self._stopping:
                         return
                     self._cv.wait()
+            if self.arrivals is not None:  # (not under the lock: submit() takes it)
+                self.arrivals.settle(ARRIVAL_WAIT_S)
+            with self._cv:
                 while self._waiting and len(self._active) < self.max_active:
                     self._admit(self._waiting.popleft(), ended)
-                a = self._active[0] if self._active else None
-                self._active.rotate(-1)  # it goes to the back of the line
-                unstarted, decoding = [], []
-                if a is not None and not a.gen.started:
-                    # its first turn: the others admitted since, not started either, join it
-                    unstarted = [b for b in self._active if not b.gen.started]
-                elif a is not None and self.batch_decode and self._decodes(a):
+                # the first request not started has its first turn (the others not started
+                # join it), else the front of the line has its turn; it goes to the back
+                unstarted = [b for b in self._active if not b.gen.started]
+                a = unstarted[0] if unstarted else (self._active[0] if self._active else None)
+                if a is not None:
+                    self._active.remove(a)
+                    self._active.append(a)
+                decoding = []
+                if not unstarted and a is not None and self.batch_decode and self._decodes(a):
                     # its decode step: every other active request's next decode step joins
                     # it, and all of them go to the back of the line
                     decoding = [b for b in self._active if self._decodes(b)]
