@@ -453,12 +453,17 @@ def run_jobs(worker: Worker, jobs: list[Job], events: list) -> None:
     try:
         for job in jobs:
             worker.submit(job)
-        deadline = time.monotonic() + 120
-        while sum(isinstance(e, Done) for _, e in events) < len(jobs):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_done(events, len(jobs), 120)
     finally:
         worker.stop()
+
+
+def wait_done(events: list, n: int, timeout_s: float = 60) -> None:
+    """Until n of the (name, event) pairs in `events` are Done events."""
+    deadline = time.monotonic() + timeout_s
+    while sum(isinstance(e, Done) for _, e in events) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 def sinks(events: list) -> Callable[[object], Callable[[object], None]]:
@@ -551,10 +556,7 @@ def test_requests_admitted_mid_decode_prefill_next_and_join_the_next_step(
     worker.start()
     try:
         worker.submit(Job(tok.encode("def fib(n):"), 64, greedy, long_sink))
-        deadline = time.monotonic() + 60
-        while sum(isinstance(e, Done) for _, e in events) < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_done(events, 3)
     finally:
         worker.stop()
     first = next(i for i, c in enumerate(calls) if c[0] == "prefill")
@@ -611,10 +613,7 @@ def test_the_generation_thread_waits_for_requests_still_arriving(whole_prompts, 
         assert calls == [] and events == []  # waiting for the one on its way
         worker.submit(Job(tok.encode("class Stack:"), 4, greedy, sink("b")))
         coming.done()
-        deadline = time.monotonic() + 60
-        while sum(isinstance(e, Done) for _, e in events) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_done(events, 2)
     finally:
         worker.stop()
     assert calls[:3] == [("admitted", 1), ("admitted", 1), ("prefill", 2)], calls
