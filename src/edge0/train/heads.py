@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,8 +234,10 @@ def _collected(
     except ValueError:  # too few files for a held-out share: hold out the stream's tail
         cut = int(stream.numel() * 0.9)
         stream, held, held_hash = stream[:cut], stream[cut:], train_hash + ":tail"
-    n_train = max(1, cfg.train_tokens // cfg.seq_len)
-    n_held = max(1, cfg.heldout_tokens // cfg.seq_len)
+    # windows of seq_len tokens give seq_len - 1 rows each: enough of them for at least the
+    # tokens asked for (the shipped heads' 1 M once gave 996,030)
+    n_train = max(1, math.ceil(cfg.train_tokens / (cfg.seq_len - 1)))
+    n_held = max(1, math.ceil(cfg.heldout_tokens / (cfg.seq_len - 1)))
     train_w = common.random_windows(stream, n_train, cfg.seq_len - 1, gen)
     held_w = common.fixed_windows(held, n_held, cfg.seq_len - 1)
     train = collect(engine, train_w, wiring, run / "train", progress, "routing features")
