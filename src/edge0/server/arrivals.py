@@ -2,10 +2,11 @@
 
 On a machine with few cores the generation thread's forwards and the event loop's work on new
 requests (validation, the chat template, tokenization) compete for the same cores. Measured on
-2 cores (the built-in model, `edge0 bench --serving`): seven chats arriving while one request
-decoded took 15-25 ms to reach the worker, against ~1 ms each on an idle server, and the decode
-step they overlapped took 12-40 ms instead of 4.5. Some of them then reached the worker after
-the others' batched prefill had begun, and prefilled in a second forward.
+2 cores, in a served run of `edge0 bench --serving`'s concurrency case on the built-in model
+with timestamps on the handlers and the generation thread: seven chats arriving while one
+request decoded took 15-25 ms to reach the worker, against ~1 ms each on an idle server,
+and the decode step they overlapped took 12-40 ms instead of 4.5. Some of them then reached
+the worker after the others' batched prefill had begun, and prefilled in a second forward.
 
 So before each forward the generation thread waits until the requests received since it last
 waited have been submitted, or refused, for at most `limit_s` (Worker: ARRIVAL_WAIT_S): their
