@@ -50,3 +50,25 @@ def test_unaligned_widths_fall_back_to_the_loop():
     x = torch.randn(7, 30)
     indices = torch.randint(0, 4, (7, 2))
     torch.testing.assert_close(experts(x, indices), reference(experts, x, indices))
+
+
+@pytest.mark.parametrize("hidden", [64, 30])  # the grouped GEMM, and the per-expert loop
+def test_the_input_gradient_repeats_bit_for_bit_on_two_threads(hidden):
+    """A token's gradient sums over its K slots. Summed through a scatter-add, two threads
+    add in whatever order they run, and a seeded training run does not repeat its own
+    bits from one process to the next."""
+    torch.set_num_threads(2)  # conftest restores the count
+    torch.manual_seed(2)
+    experts = ResidentExperts(8, hidden, 32)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.1)
+        experts.down_proj.normal_(0, 0.1)
+    x = torch.randn(1024, hidden, requires_grad=True)
+    indices = torch.stack([torch.randperm(8)[:4] for _ in range(1024)])
+    grad_out = torch.randn(1024, 4, hidden)
+    grads = []
+    for _ in range(4):
+        x.grad = None
+        experts(x, indices).backward(grad_out)
+        grads.append(x.grad.clone())
+    assert all(torch.equal(g, grads[0]) for g in grads[1:])
