@@ -64,13 +64,14 @@ def int4_weights(n: int, k: int, gen: torch.Generator, layout=None, tiny_zero=Fa
 def test_the_int4_kernel_computes_torchs_bit_for_bit(dtype, tiny_zero):
     """edge0's int4 kernel, on the path of torch's CPU capability, against
     aten._weight_int4pack_mm_for_cpu: a 32-row tail block (96 rows: on AVX-512 one block of
-    64 and a tail of 32), one group, odd group counts, 1 and 3 rows, fp32 and bf16 rows."""
+    64 and a tail of 32), one group, odd group counts, fp32 and bf16 rows. 1, 3 and 8 rows
+    take the block kernels; 9, 13 and 45 (a job of 32 and one of 13) AVX-512's tiled one."""
     gen = torch.Generator().manual_seed(0)
     op = native.int4_gemv()
     layout, isa = native.kernel_args()
     for n, k in [(96, 64), (256, 512), (160, 192), (1024, 1024)]:
         _, packed, pairs = int4_weights(n, k, gen, tiny_zero=tiny_zero)
-        for rows in (1, 3):
+        for rows in (1, 3, 8, 9, 13, 45):
             x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
             ref = quant.int4_linear(x, packed, pairs).to(dtype)
             got = op(x, packed, pairs, layout, isa)
