@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 
 from edge0 import memory
@@ -42,3 +43,21 @@ def test_peak_sampler_sees_a_short_peak():
         m.close()
         assert memory.sample().anon_bytes - start < 16 * MIB  # the peak is gone...
     assert peaks.peak_anon - start >= 30 * MIB  # ...and was seen
+
+
+def test_peak_samplers_share_one_thread_that_outlives_them():
+    """Each of the server's requests has a PeakSampler: they must not each start a thread."""
+    first = memory.PeakSampler(interval_s=0.005).start()
+    first.stop()
+    samplers = [memory.PeakSampler(interval_s=0.005).start() for _ in range(5)]
+    try:
+        assert [t.name for t in threading.enumerate()].count("edge0-mem") == 1
+        start = memory.sample().anon_bytes
+        m = touched_anonymous(32 * MIB)
+        time.sleep(0.05)
+        m.close()
+    finally:
+        for s in samplers:
+            s.stop()
+    assert all(s.peak_anon - start >= 30 * MIB for s in samplers)
+    assert first.peak_anon < start + 16 * MIB  # stopped before the peak: not told of it
