@@ -49,7 +49,7 @@ def test_the_native_head_is_the_torch_heads_to_rounding_on_every_path(
 ):
     """Against StackedHeads.one on the one-hot features: within float rounding (the order of
     the sums differs); across the op's portable, AVX2 and AVX-512 paths: the same bits; a
-    row among three: the bits it gets alone."""
+    row among eleven (the op takes 8 rows at a time): the bits it gets alone."""
     pre = random_heads(hidden, experts, width)
     owners = pre.wiring.owners
     ref = StackedHeads(pre, owners)
@@ -57,19 +57,19 @@ def test_the_native_head_is_the_torch_heads_to_rounding_on_every_path(
     gen = torch.Generator().manual_seed(1)
     for i, o in enumerate(owners):
         for first in (False, True):
-            rows = head_rows(hidden, experts, 3, 4, gen, first)
+            rows = head_rows(hidden, experts, 11, 4, gen, first)
             rows.h = rows.h.to(dtype)
             want = ref.one(i, rows.features(experts))
             got = [
                 NativeHeads(pre, owners, heads.op, isa)(o, rows.h, rows.executed, rows.previous)[0]
                 for isa in PATHS
             ]
-            assert got[0].dtype == torch.float32 and got[0].shape == (3, experts)
+            assert got[0].dtype == torch.float32 and got[0].shape == (11, experts)
             for other in got[1:]:
                 assert torch.equal(other, got[0])
             torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5 * want.abs().max())
             assert not torch.equal(got[0], torch.zeros_like(got[0]))
-            for b in range(3):
+            for b in range(11):
                 one = [t[b : b + 1] for t in (rows.h, rows.executed, rows.previous)]
                 assert torch.equal(heads(o, *one)[0], got[0][b : b + 1])
 
