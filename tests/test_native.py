@@ -145,6 +145,41 @@ def test_the_prefill_experts_are_the_reference_bit_for_bit(dtype, width):
         rows(x, [(torch.tensor([40]), tensors[0])])
 
 
+def test_a_batched_steps_attention_is_the_module_paths_bit_for_bit():
+    """step_rows of three requests at different positions (one its first decode token after a
+    one-token prompt), 6 steps, with the rows' attention in one native call (attend_rows) and
+    row by row in the module path: the same logits, bit for bit."""
+    engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered", max_active=8))
+    try:
+        assert engine.attend_rows is not None
+        tok = engine.tokenizer
+        prompts = [tok.encode("def read_config(path):"), tok.encode("import os\n" * 9), [7]]
+
+        def logits() -> list[torch.Tensor]:
+            reqs = [engine.new_request() for _ in prompts]
+            try:
+                first = [engine.prefill(r, ids) for r, ids in zip(reqs, prompts, strict=True)]
+                tokens = [int(x.argmax()) for x in first]
+                out = []
+                for _ in range(6):
+                    step = engine.step_rows(reqs, tokens)
+                    tokens = [int(x.argmax()) for x in step]
+                    out += step
+                return out
+            finally:
+                for r in reqs:
+                    r.release()
+
+        native_rows = logits()
+        op = engine.attend_rows
+        engine.attend_rows = None
+        reference = logits()
+        engine.attend_rows = op
+        assert all(torch.equal(a, b) for a, b in zip(native_rows, reference, strict=True))
+    finally:
+        engine.close()
+
+
 def test_the_engine_prefills_bit_identically_with_the_native_experts(monkeypatch):
     """The built-in model's prefill, a short prompt, a long one (some experts take the dense
     path: from 96 tokens here on both paths) and seven prompts in one batch, with and without

@@ -269,8 +269,11 @@ class Engine:
         self.rows_experts = row_experts(self.decode_experts, options.cache_dir)
         # with the native ops, a decode token's norms and attention too, where they serve it
         self._layers = {}
+        # and a batched step's attention, row by row in one call
+        self.attend_rows = None
         if isinstance(self.decode_experts, FusedExperts):
             self._layers = native_layers(model, options.cache_dir)
+            self.attend_rows = native.attend_rows(options.cache_dir)
         # with no heads thread, every request to the pool comes from the thread that decodes
         sole = prerouter is None or prerouter.worker is None
         self._exact = {
@@ -457,6 +460,7 @@ class Engine:
             [r.pre for r in reqs],
             [r.decode for r in reqs],
             together,
+            self.attend_rows,
         ).float()
         self._after_steps(reqs, tokens, exact)
         return list(logits)

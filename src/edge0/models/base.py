@@ -87,19 +87,21 @@ class RowsForward(Forward):
     and reads what it would alone). `observer`, if given, sees all rows at once instead of
     each row's own (the prerouter's heads then run once over the rows). `together`, if
     given, computes a layer's experts for all rows at once, as together(the rows' executors,
-    x, indices), where every row's executor can `pin` its experts for it."""
+    x, indices), where every row's executor can `pin` its experts for it. `attend_rows`, if
+    given, is the native op that runs the rows' attention in one call (RowCaches)."""
 
     def __init__(
         self,
         rows: list[Forward],
         observer: RoutingObserver | None = None,
         together: Callable[[list, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        attend_rows: Callable | None = None,
     ):
         # the rows are one engine's requests: the same layers are predicted or restricted in
         # every row, or in none
         assert all(f.predicted.keys() == rows[0].predicted.keys() for f in rows)
         assert all(f.allowed.keys() == rows[0].allowed.keys() for f in rows)
-        super().__init__(RowCaches([f.cache for f in rows]))
+        super().__init__(RowCaches([f.cache for f in rows], attend_rows))
         self.rows, self.observer, self.together = rows, observer, together
         self.predicted = {k: torch.cat([f.predicted[k] for f in rows]) for k in rows[0].predicted}
         self.allowed = {k: torch.cat([f.allowed[k] for f in rows]) for k in rows[0].allowed}

@@ -6,6 +6,7 @@ Dh head dim, D hidden.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -154,6 +155,10 @@ class KVCache:
         k, v = self.update(layer, k, v)
         return fn(q, k, v)
 
+    def attend_scaled(self, layer, q, k, v, scale: float, window: int | None) -> torch.Tensor:
+        """attend() with layers.attend: causal GQA attention -> [B, T, H*Dh]."""
+        return self.attend(layer, q, k, v, lambda q, k, v: attend(q, k, v, scale, window))
+
     def positions(self, t: int, device=None) -> torch.Tensor:
         """The positions [T] of the next t tokens (those every layer will have seen)."""
         n = self.length[0]
@@ -239,8 +244,8 @@ class RowCaches:
     states are gathered into one batch and written back per row. Rotary positions are each
     row's own ([B, 1, T]: broadcast over heads)."""
 
-    def __init__(self, rows: list[KVCache]):
-        self.rows = rows
+    def __init__(self, rows: list[KVCache], attend_rows: Callable | None = None):
+        self.rows, self.attend_rows = rows, attend_rows
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn):
         return torch.cat(
@@ -249,6 +254,20 @@ class RowCaches:
                 for i, c in enumerate(self.rows)
             ]
         )
+
+    def attend_scaled(self, layer, q, k, v, scale: float, window: int | None) -> torch.Tensor:
+        """attend() with layers.attend; a token a row without a window in one call of the
+        native op (`attend_rows`, native/decode_ops.cpp), which does the same per row."""
+        if self.attend_rows is None or window is not None or q.shape[2] != 1:
+            return self.attend(layer, q, k, v, lambda q, k, v: attend(q, k, v, scale, window))
+        slots = [c.slot(layer, 1) for c in self.rows]
+        n = [c.length[layer] for c in self.rows]
+        out = self.attend_rows(
+            q, k, v, [s[0] for s in slots], [s[1] for s in slots], n, scale
+        )
+        for c in self.rows:
+            c.length[layer] += 1
+        return out
 
     def positions(self, t: int, device=None) -> torch.Tensor:
         return torch.stack([c.positions(t, device) for c in self.rows])[:, None]  # [B, 1, T]
@@ -372,11 +391,10 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         scale, window = self.head_dim**-0.5, self.window
-
-        def over(q, k, v):  # [B, T, H*Dh]
-            return attend(q, k, v, scale, window)
-
-        out = over(q, k, v) if cache is None else cache.attend(self.layer, q, k, v, over)
+        if cache is None:
+            out = attend(q, k, v, scale, window)  # [B, T, H*Dh]
+        else:
+            out = cache.attend_scaled(self.layer, q, k, v, scale, window)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(b, t, -1))
         return self.o_proj(out)

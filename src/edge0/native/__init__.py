@@ -241,6 +241,15 @@ def softmax_topk(cache_dir: Path | None = None) -> Callable[..., list[torch.Tens
     return torch.ops.edge0.softmax_topk
 
 
+def attend_rows(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
+    """The op, built and loaded if need be: (q [B, H, 1, Dh], k, v [B, G, 1, Dh], each row's
+    key and value buffers [1, G, max, Dh], each row's position n, scale) -> [B, 1, H * Dh],
+    as RowCaches.attend with layers.attend: each row's key and value written at n, then its
+    attention over positions 0..n."""
+    _load(cache_dir)
+    return torch.ops.edge0.attend_rows
+
+
 def prerouter_head(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
     """The op, built and loaded if need be: (h [B, D], executed [B, K], previous [B, K']
     (int64, negative: none), w1 [W, D], w1_hot [2E, W], w2 [E, W], w0 [E, D], w0_hot [2E, E]

@@ -237,6 +237,42 @@ std::vector<at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool n
 // edge0::router_topk: an MoE block's own router (a bias-free nn.Linear, h [T, D] -> logits
 // [T, E]) and softmax_topk of its logits (among the allowed experts, if given) in one call
 // -> (logits, weights, indices).
+// edge0::attend_rows: a batched decode step's attention (layers.py RowCaches.attend with
+// layers.attend, one token a row, no window): row b's key and value written at position n[b]
+// of its cache buffers [1, G, max, Dh], then SDPA of its query over positions 0..n[b], row by
+// row. The same ATen ops on the same values as the module path, so the same bits; what it
+// saves is the ~20 ATen calls and the Python a row. q [B, H, 1, Dh], k, v [B, G, 1, Dh] ->
+// [B, 1, H * Dh].
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef n,
+                       double scale) {
+  const int64_t rows = q.size(0);
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == rows &&
+                  k.size(2) == 1 && v.sizes() == k.sizes(),
+              "q must be [B, H, 1, Dh] and k, v [B, G, 1, Dh]");
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == rows &&
+                  static_cast<int64_t>(v_caches.size()) == rows &&
+                  static_cast<int64_t>(n.size()) == rows,
+              "one key buffer, value buffer and position per row");
+  const bool gqa = k.size(1) != q.size(1);
+  std::vector<at::Tensor> outs;
+  outs.reserve(rows);
+  for (int64_t b = 0; b < rows; ++b) {
+    at::Tensor kc = k_caches[b], vc = v_caches[b];
+    TORCH_CHECK(kc.dim() == 4 && kc.size(0) == 1 && kc.size(1) == k.size(1) &&
+                    kc.size(3) == k.size(3) && vc.sizes() == kc.sizes(),
+                "row ", b, ": the cache buffers must be [1, G, max, Dh]");
+    TORCH_CHECK(n[b] >= 0 && n[b] < kc.size(2), "row ", b, ": position ", n[b],
+                " is past its cache");
+    kc.narrow(2, n[b], 1).copy_(k.narrow(0, b, 1));
+    vc.narrow(2, n[b], 1).copy_(v.narrow(0, b, 1));
+    outs.push_back(at::scaled_dot_product_attention(
+        q.narrow(0, b, 1), kc.narrow(2, 0, n[b] + 1), vc.narrow(2, 0, n[b] + 1), std::nullopt,
+        0.0, false, scale, gqa));
+  }
+  return at::cat(outs).transpose(1, 2).reshape({rows, 1, -1});
+}
+
 std::vector<at::Tensor> router_topk(const at::Tensor& h, const at::Tensor& gate, int64_t k,
                                     bool norm_topk_prob, const std::optional<at::Tensor>& allowed) {
   const at::Tensor logits = at::linear(h, gate);
@@ -260,6 +296,9 @@ TORCH_LIBRARY(edge0, m) {
   m.def(
       "router_topk(Tensor h, Tensor gate, int k, bool norm_topk_prob, Tensor? allowed) -> "
       "Tensor[]");
+  m.def(
+      "attend_rows(Tensor q, Tensor k, Tensor v, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+      "int[] n, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(edge0, CPU, m) {
@@ -267,4 +306,5 @@ TORCH_LIBRARY_IMPL(edge0, CPU, m) {
   m.impl("moe_combine", &moe_combine);
   m.impl("softmax_topk", &softmax_topk);
   m.impl("router_topk", &router_topk);
+  m.impl("attend_rows", &attend_rows);
 }
