@@ -262,9 +262,7 @@ class RowCaches:
             return self.attend(layer, q, k, v, lambda q, k, v: attend(q, k, v, scale, window))
         slots = [c.slot(layer, 1) for c in self.rows]
         n = [c.length[layer] for c in self.rows]
-        out = self.attend_rows(
-            q, k, v, [s[0] for s in slots], [s[1] for s in slots], n, scale
-        )
+        out = self.attend_rows(q, k, v, [s[0] for s in slots], [s[1] for s in slots], n, scale)
         for c in self.rows:
             c.length[layer] += 1
         return out
