@@ -100,6 +100,14 @@ __attribute__((target("avx512f"))) float dot_avx512(const c10::Half* w, const fl
 // dot_avx512 sum them (the same products, in the same order), w converted once for all rows.
 constexpr int64_t kRowsAtOnce = 8;
 
+// tree()'s additions over 16 lanes whose first step, (l, l + 8), gave s8: then (l, l + 4),
+// (l, l + 2), (l, l + 1), in registers.
+__attribute__((target("avx2"))) inline float tree_from_8(__m256 s8) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
 template <int64_t rows>
 __attribute__((target("avx2,f16c"))) void dots_avx2(const c10::Half* w, const float* x,
                                                     int64_t n, float* out) {
@@ -117,11 +125,8 @@ __attribute__((target("avx2,f16c"))) void dots_avx2(const c10::Half* w, const fl
     }
   }
   for (int64_t b = 0; b < rows; ++b) {
-    if (whole == n) {  // tree()'s additions, in registers
-      const __m256 s8 = _mm256_add_ps(lo[b], hi[b]);
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      out[b] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    if (whole == n) {
+      out[b] = tree_from_8(_mm256_add_ps(lo[b], hi[b]));
       continue;
     }
     float acc[kLanes];
@@ -146,13 +151,10 @@ __attribute__((target("avx512f,avx2,f16c"))) void dots_avx512(const c10::Half* w
       a[b] = _mm512_add_ps(a[b], _mm512_mul_ps(wk, _mm512_loadu_ps(x + b * n + k)));
   }
   for (int64_t b = 0; b < rows; ++b) {
-    if (whole == n) {  // tree()'s additions, in registers: (l, l + 8), (l, l + 4), ...
-      const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a[b]),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(
-                                          _mm512_castps_pd(a[b]), 1)));
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      out[b] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    if (whole == n) {
+      out[b] = tree_from_8(_mm256_add_ps(
+          _mm512_castps512_ps256(a[b]),
+          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[b]), 1))));
       continue;
     }
     float acc[kLanes];

@@ -188,6 +188,27 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Matrix& m, const Segme
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + r * 64 + 8 * v, c[r][v]);
 }
 
+// A group's kernel pairs for the V vectors of a block: scale (low half) and zero (high half)
+// of each lane's row, as floats.
+template <int V>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) inline void pairs_avx512(
+    const Matrix& m, const Segment& s, int64_t b0, int64_t g, __m512* scale, __m512* zero) {
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  alignas(64) uint32_t lanes[16];
+  const uint32_t* pr = m.pairs + g * m.n + b0;
+  for (int v = 0; v < V; ++v) {
+    __m512i p;
+    if (s.interleaved) {
+      for (int i = 0; i < 16; ++i) lanes[i] = pr[lane_row(16 * v + i, s.block, true)];
+      p = _mm512_load_si512(lanes);
+    } else {
+      p = _mm512_loadu_si512(pr + 16 * v);
+    }
+    scale[v] = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+    zero[v] = _mm512_castsi512_ps(_mm512_and_si512(p, hi_mask));
+  }
+}
+
 // V vectors of 16 lanes; vector v reads 16 bytes at 16 * (v % (V/2)) of a byte column.
 // The codes become q - 8 by a permute from the table -8..7 indexed by their low 4 bits.
 template <int V, int R>
@@ -197,24 +218,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void block_avx512(
   const int64_t half = s.block / 2;
   const uint8_t* base = m.packed + b0 * (m.k / 2);
   const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 c[R][V], scale[V], zero[V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) c[r][v] = _mm512_setzero_ps();
-  alignas(64) uint32_t lanes[16];
   for (int64_t g = 0; g < m.k / kGroup; ++g) {
-    const uint32_t* pr = m.pairs + g * m.n + b0;
-    for (int v = 0; v < V; ++v) {
-      __m512i p;
-      if (s.interleaved) {
-        for (int i = 0; i < 16; ++i) lanes[i] = pr[lane_row(16 * v + i, s.block, true)];
-        p = _mm512_load_si512(lanes);
-      } else {
-        p = _mm512_loadu_si512(pr + 16 * v);
-      }
-      scale[v] = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
-      zero[v] = _mm512_castsi512_ps(_mm512_and_si512(p, hi_mask));
-    }
+    pairs_avx512<V>(m, s, b0, g, scale, zero);
     for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
       const uint8_t* col = base + k * half;
       if ((k * half) % 64 == 0) _mm_prefetch((const char*)(col + kPrefetch), _MM_HINT_T0);
@@ -248,21 +256,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void decode_avx512
   const int64_t half = s.block / 2;
   const uint8_t* base = m.packed + b0 * (m.k / 2);
   const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 scale[V], zero[V];
-  alignas(64) uint32_t lanes[16];
-  const uint32_t* pr = m.pairs + g * m.n + b0;
-  for (int v = 0; v < V; ++v) {
-    __m512i p;
-    if (s.interleaved) {
-      for (int i = 0; i < 16; ++i) lanes[i] = pr[lane_row(16 * v + i, s.block, true)];
-      p = _mm512_load_si512(lanes);
-    } else {
-      p = _mm512_loadu_si512(pr + 16 * v);
-    }
-    scale[v] = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
-    zero[v] = _mm512_castsi512_ps(_mm512_and_si512(p, hi_mask));
-  }
+  pairs_avx512<V>(m, s, b0, g, scale, zero);
   for (int64_t i = 0; i < kGroup; ++i) {
     const int64_t k = g * kGroup + i;
     const uint8_t* col = base + k * half;
