@@ -392,20 +392,17 @@ class _Slots:
     ascending, from one stable sort, and their tokens t."""
 
     def __init__(self, indices: torch.Tensor):
-        self.k = indices.shape[-1]
+        k = indices.shape[-1]
         flat = indices.reshape(-1)
-        self.order = torch.argsort(flat, stable=True)
-        self._tokens = self.order // self.k
+        order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat).tolist()
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        self.span = {e: (starts[e], c) for e, c in enumerate(counts)}
+        # every expert's views at once (one split each, not two slices an expert)
+        self._places = order.split(counts)
+        self._tokens = (order // k).split(counts)
+        self._none = order[:0]
 
     def places(self, expert: int) -> torch.Tensor:
-        start, n = self.span.get(expert, (0, 0))
-        return self.order[start : start + n]
+        return self._places[expert] if expert < len(self._places) else self._none
 
     def tokens(self, expert: int) -> torch.Tensor:
-        start, n = self.span.get(expert, (0, 0))
-        return self._tokens[start : start + n]
+        return self._tokens[expert] if expert < len(self._tokens) else self._none
