@@ -38,6 +38,7 @@
 namespace {
 
 constexpr int64_t kLanes = 16;
+constexpr int64_t kRowsAtOnce = 8;  // rows a weight row is converted once for (project)
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // The lanes' fixed tree: (l, l + 8), then (l, l + 4), (l, l + 2), (l, l + 1).
@@ -98,7 +99,6 @@ __attribute__((target("avx512f"))) float dot_avx512(const c10::Half* w, const fl
 
 // dot(w, x[b]) for up to kRowsAtOnce rows b of x [rows, n]: each row's lanes as dot_avx2 and
 // dot_avx512 sum them (the same products, in the same order), w converted once for all rows.
-constexpr int64_t kRowsAtOnce = 8;
 
 // tree()'s additions over 16 lanes whose first step, (l, l + 8), gave s8: then (l, l + 4),
 // (l, l + 2), (l, l + 1), in registers.
