@@ -64,42 +64,6 @@ float dot_portable(const c10::Half* w, const float* x, int64_t n) {
 }
 
 #ifdef EDGE0_X86
-__attribute__((target("avx2,f16c"))) float dot_avx2(const c10::Half* w, const float* x,
-                                                     int64_t n) {
-  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7 and 8-15
-  const int64_t whole = n / kLanes * kLanes;
-  for (int64_t k = 0; k < whole; k += kLanes) {
-    const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
-    const __m256 w1 =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 8)));
-    lo = _mm256_add_ps(lo, _mm256_mul_ps(w0, _mm256_loadu_ps(x + k)));
-    hi = _mm256_add_ps(hi, _mm256_mul_ps(w1, _mm256_loadu_ps(x + k + 8)));
-  }
-  float acc[kLanes];
-  _mm256_storeu_ps(acc, lo);
-  _mm256_storeu_ps(acc + 8, hi);
-  tail(w, x, whole, n, acc);
-  return tree(acc);
-}
-
-__attribute__((target("avx512f"))) float dot_avx512(const c10::Half* w, const float* x,
-                                                    int64_t n) {
-  __m512 a = _mm512_setzero_ps();
-  const int64_t whole = n / kLanes * kLanes;
-  for (int64_t k = 0; k < whole; k += kLanes) {
-    const __m512 wk =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-    a = _mm512_add_ps(a, _mm512_mul_ps(wk, _mm512_loadu_ps(x + k)));
-  }
-  float acc[kLanes];
-  _mm512_storeu_ps(acc, a);
-  tail(w, x, whole, n, acc);
-  return tree(acc);
-}
-
-// dot(w, x[b]) for up to kRowsAtOnce rows b of x [rows, n]: each row's lanes as dot_avx2 and
-// dot_avx512 sum them (the same products, in the same order), w converted once for all rows.
-
 // tree()'s additions over 16 lanes whose first step, (l, l + 8), gave s8: then (l, l + 4),
 // (l, l + 2), (l, l + 1), in registers.
 __attribute__((target("avx2"))) inline float tree_from_8(__m256 s8) {
@@ -108,6 +72,9 @@ __attribute__((target("avx2"))) inline float tree_from_8(__m256 s8) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+// dot_portable(w, x[b]) for `rows` rows b of x [rows, n], bit for bit: each row's 16 lanes
+// add the same products in the same order, in registers (AVX2: lanes 0-7 and 8-15 in two
+// vectors), and w is converted once for all rows.
 template <int64_t rows>
 __attribute__((target("avx2,f16c"))) void dots_avx2(const c10::Half* w, const float* x,
                                                     int64_t n, float* out) {
