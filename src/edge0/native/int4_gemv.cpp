@@ -343,9 +343,9 @@ void block_rows(Isa isa, const Matrix& m, const Segment& s, int64_t b0, const fl
 #endif
 }
 
-// Rows one job takes: past kTiledFrom of them, the AVX-512 path decodes each group's weights
-// once for all (tiled_avx512); otherwise they go kRows at a time. At 8 rows the tile's stores
-// and loads cost more than the second decoding they save.
+// Rows one AVX-512 job takes: from kTiledFrom of them, its path decodes each group's weights
+// once for all (tiled_avx512); fewer go kRows at a time. At 8 rows the tile's stores and
+// loads cost more than the second decoding they save.
 constexpr int kTile = 32;
 constexpr int kTiledFrom = 9;
 
@@ -384,12 +384,14 @@ struct Job {
   int rows;
 };
 
-// Jobs for one matrix against rows x[i] -> y[i], kTile at a time.
-void add_rows(std::vector<Job>& jobs, const Matrix& m, const std::vector<Segment>& segs,
+// Jobs for one matrix against rows x[i] -> y[i]: kTile at a time where the tiled path takes
+// them, else kRows (more, smaller units for the threads to share).
+void add_rows(Isa isa, std::vector<Job>& jobs, const Matrix& m, const std::vector<Segment>& segs,
               const std::vector<const float*>& x, const std::vector<float*>& y) {
-  for (size_t i = 0; i < x.size(); i += kTile) {
+  const size_t per = isa == kAvx512 ? kTile : kRows;
+  for (size_t i = 0; i < x.size(); i += per) {
     Job j{m, segs, {}, {}, 0};
-    for (size_t r = i; r < x.size() && r < i + kTile; ++r, ++j.rows) {
+    for (size_t r = i; r < x.size() && r < i + per; ++r, ++j.rows) {
       j.x[j.rows] = x[r];
       j.y[j.rows] = y[r];
     }
@@ -463,7 +465,7 @@ at::Tensor swiglu_int4_gemv(const at::Tensor& x, at::TensorList w13, at::TensorL
   for (int64_t e = 0; e < n_exp; ++e) {
     const Matrix m = matrix(w13[e], p13[e], d);
     TORCH_CHECK(m.n == 2 * width, "the experts of one call share their width");
-    add_rows(up, m, up_segs, {xb.data()}, {gate_up.data_ptr<float>() + e * 2 * width});
+    add_rows(isa, up, m, up_segs, {xb.data()}, {gate_up.data_ptr<float>() + e * 2 * width});
   }
   run(isa, up);
   const auto halves = gate_up.chunk(2, -1);
@@ -472,7 +474,7 @@ at::Tensor swiglu_int4_gemv(const at::Tensor& x, at::TensorList w13, at::TensorL
   for (int64_t e = 0; e < n_exp; ++e) {
     const Matrix m = matrix(w2[e], p2[e], width);
     TORCH_CHECK(m.n == d, "w2 must give ", d, " outputs");
-    add_rows(down, m, down_segs, {h.data() + e * width}, {out.data_ptr<float>() + e * d});
+    add_rows(isa, down, m, down_segs, {h.data() + e * width}, {out.data_ptr<float>() + e * d});
   }
   run(isa, down);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
@@ -520,7 +522,7 @@ at::Tensor swiglu_int4_rows(const at::Tensor& x, at::TensorList tokens, at::Tens
       xs.push_back(xb.data() + p[i] * d);
       ys.push_back(gate_up.data_ptr<float>() + r * 2 * width);
     }
-    add_rows(up, m, up_segs, xs, ys);
+    add_rows(isa, up, m, up_segs, xs, ys);
   }
   run(isa, up);
   const auto halves = gate_up.chunk(2, -1);
@@ -535,7 +537,7 @@ at::Tensor swiglu_int4_rows(const at::Tensor& x, at::TensorList tokens, at::Tens
       xs.push_back(h.data() + r * width);
       ys.push_back(out.data_ptr<float>() + r * d);
     }
-    add_rows(down, m, down_segs, xs, ys);
+    add_rows(isa, down, m, down_segs, xs, ys);
   }
   run(isa, down);
   return out;
@@ -569,7 +571,7 @@ std::vector<at::Tensor> int4_gemv_each(const at::Tensor& x, at::TensorList packe
       xs.push_back(xb.data() + r * k);
       ys.push_back(outs.back().data_ptr<float>() + r * m.n);
     }
-    add_rows(jobs, m, segments(m.n, layout), xs, ys);
+    add_rows(isa, jobs, m, segments(m.n, layout), xs, ys);
   }
   run(isa, jobs);
   for (at::Tensor& out : outs) {
