@@ -12,9 +12,12 @@
 // are then added in a fixed tree, the one-hot rows are added after the product, ascending by
 // expert, and GELU is the C library's erff; the AVX-512 and AVX2 (F16C) paths only do the same
 // lanes in registers. The weights come in as fp16 and convert exactly. On several rows each
-// weight row is converted once for up to 8 of them, each keeping its own lanes, and the one-hot
-// rows a set names are converted once a call: an 8-row head took 97 us, from 129 (D 256,
-// W 512, E 32; one row 22 us either way).
+// weight row is converted once for up to 8 of them, each keeping its own lanes; on few rows
+// several weight rows go at once (8 for one row on AVX-512), so that their adds do not wait on
+// one another, and the one-hot rows a set names are converted once a call and added over a
+// span of outputs at once. The built-in model's head (D 256, W 512, E 32, K 8), stage 12, in
+// cache: from 28 us to 18 us a row, and 8 rows from 131-134 us to 82-87 us; in a decode step,
+// its weights coming from L3, from 42 us to 33 us.
 //
 // With stage > 0 it also picks the consumer's top-`stage` experts from the logits as
 // routing.py softmax_topk does (ATen's softmax and topk, so the same set), each row's ascending,
@@ -63,6 +66,10 @@ float dot_portable(const c10::Half* w, const float* x, int64_t n) {
   return tree(acc);
 }
 
+// The kernels' loops over weight rows and rows run a template's count of times: unrolled,
+// their sums stay in registers (GCC's -O2 left them on the stack, a load and store per add).
+#define EDGE0_UNROLL _Pragma("GCC unroll 8")
+
 #ifdef EDGE0_X86
 // tree()'s additions over 16 lanes whose first step, (l, l + 8), gave s8: then (l, l + 4),
 // (l, l + 2), (l, l + 1), in registers.
@@ -72,118 +79,188 @@ __attribute__((target("avx2"))) inline float tree_from_8(__m256 s8) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-// dot_portable(w, x[b]) for `rows` rows b of x [rows, n], bit for bit: each row's 16 lanes
-// add the same products in the same order, in registers (AVX2: lanes 0-7 and 8-15 in two
-// vectors), and w is converted once for all rows.
-template <int64_t rows>
+// dot_portable(w[j], x[b]) for `m` rows j of w [m, n] and `rows` rows b of x [rows, n], into
+// out[j * rows + b], bit for bit: each (j, b) keeps its own 16 lanes, adding the same
+// products in the same order, in registers (AVX2: lanes 0-7 and 8-15 in two vectors). A
+// weight row is converted once for all rows; several weight rows at once give the adds
+// chains that do not wait on each other (one row's chain is an add's latency per 16 weights).
+template <int64_t rows, int64_t m>
 __attribute__((target("avx2,f16c"))) void dots_avx2(const c10::Half* w, const float* x,
                                                     int64_t n, float* out) {
-  __m256 lo[rows], hi[rows];
-  for (int64_t b = 0; b < rows; ++b) lo[b] = hi[b] = _mm256_setzero_ps();
+  __m256 lo[m][rows], hi[m][rows];
+  EDGE0_UNROLL
+  for (int64_t j = 0; j < m; ++j)
+    EDGE0_UNROLL
+    for (int64_t b = 0; b < rows; ++b) lo[j][b] = hi[j][b] = _mm256_setzero_ps();
   const int64_t whole = n / kLanes * kLanes;
-  for (int64_t k = 0; k < whole; k += kLanes) {
-    const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
-    const __m256 w1 =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 8)));
+  for (int64_t k = 0; k < whole; k += kLanes)
+    EDGE0_UNROLL
+    for (int64_t j = 0; j < m; ++j) {
+      const c10::Half* wj = w + j * n + k;
+      const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj)));
+      const __m256 w1 =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 8)));
+      EDGE0_UNROLL
+      for (int64_t b = 0; b < rows; ++b) {
+        const float* xb = x + b * n;
+        lo[j][b] = _mm256_add_ps(lo[j][b], _mm256_mul_ps(w0, _mm256_loadu_ps(xb + k)));
+        hi[j][b] = _mm256_add_ps(hi[j][b], _mm256_mul_ps(w1, _mm256_loadu_ps(xb + k + 8)));
+      }
+    }
+  EDGE0_UNROLL
+  for (int64_t j = 0; j < m; ++j)
+    EDGE0_UNROLL
     for (int64_t b = 0; b < rows; ++b) {
-      const float* xb = x + b * n;
-      lo[b] = _mm256_add_ps(lo[b], _mm256_mul_ps(w0, _mm256_loadu_ps(xb + k)));
-      hi[b] = _mm256_add_ps(hi[b], _mm256_mul_ps(w1, _mm256_loadu_ps(xb + k + 8)));
+      if (whole == n) {
+        out[j * rows + b] = tree_from_8(_mm256_add_ps(lo[j][b], hi[j][b]));
+        continue;
+      }
+      float acc[kLanes];
+      _mm256_storeu_ps(acc, lo[j][b]);
+      _mm256_storeu_ps(acc + 8, hi[j][b]);
+      tail(w + j * n, x + b * n, whole, n, acc);
+      out[j * rows + b] = tree(acc);
     }
-  }
-  for (int64_t b = 0; b < rows; ++b) {
-    if (whole == n) {
-      out[b] = tree_from_8(_mm256_add_ps(lo[b], hi[b]));
-      continue;
-    }
-    float acc[kLanes];
-    _mm256_storeu_ps(acc, lo[b]);
-    _mm256_storeu_ps(acc + 8, hi[b]);
-    tail(w, x + b * n, whole, n, acc);
-    out[b] = tree(acc);
-  }
 }
 
-template <int64_t rows>
+template <int64_t rows, int64_t m>
 __attribute__((target("avx512f,avx2,f16c"))) void dots_avx512(const c10::Half* w,
                                                               const float* x, int64_t n,
                                                               float* out) {
-  __m512 a[rows];
-  for (int64_t b = 0; b < rows; ++b) a[b] = _mm512_setzero_ps();
+  __m512 a[m][rows];
+  EDGE0_UNROLL
+  for (int64_t j = 0; j < m; ++j)
+    EDGE0_UNROLL
+    for (int64_t b = 0; b < rows; ++b) a[j][b] = _mm512_setzero_ps();
   const int64_t whole = n / kLanes * kLanes;
-  for (int64_t k = 0; k < whole; k += kLanes) {
-    const __m512 wk =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-    for (int64_t b = 0; b < rows; ++b)
-      a[b] = _mm512_add_ps(a[b], _mm512_mul_ps(wk, _mm512_loadu_ps(x + b * n + k)));
-  }
-  for (int64_t b = 0; b < rows; ++b) {
-    if (whole == n) {
-      out[b] = tree_from_8(_mm256_add_ps(
-          _mm512_castps512_ps256(a[b]),
-          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[b]), 1))));
-      continue;
+  for (int64_t k = 0; k < whole; k += kLanes)
+    EDGE0_UNROLL
+    for (int64_t j = 0; j < m; ++j) {
+      const __m512 wk =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * n + k)));
+      EDGE0_UNROLL
+      for (int64_t b = 0; b < rows; ++b)
+        a[j][b] = _mm512_add_ps(a[j][b], _mm512_mul_ps(wk, _mm512_loadu_ps(x + b * n + k)));
     }
-    float acc[kLanes];
-    _mm512_storeu_ps(acc, a[b]);
-    tail(w, x + b * n, whole, n, acc);
-    out[b] = tree(acc);
-  }
+  EDGE0_UNROLL
+  for (int64_t j = 0; j < m; ++j)
+    EDGE0_UNROLL
+    for (int64_t b = 0; b < rows; ++b) {
+      if (whole == n) {
+        out[j * rows + b] = tree_from_8(_mm256_add_ps(
+            _mm512_castps512_ps256(a[j][b]),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j][b]), 1))));
+        continue;
+      }
+      float acc[kLanes];
+      _mm512_storeu_ps(acc, a[j][b]);
+      tail(w + j * n, x + b * n, whole, n, acc);
+      out[j * rows + b] = tree(acc);
+    }
 }
 #endif
 
-// The row counts as template arguments, so that each row's sums stay in registers.
+// Weight rows taken at once for `rows` rows of x, within the registers: AVX-512 has 32 of
+// them, AVX2 16, and an AVX2 sum takes two.
+constexpr int64_t kMaxWeightRows = 8;
+constexpr int64_t weight_rows_avx512(int64_t rows) {
+  return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1;
+}
+constexpr int64_t weight_rows_avx2(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+
+// The row counts as template arguments, so that each row's sums stay in registers. A kernel
+// takes Kernel<R>::kWide weight rows where that many are left, else one; it returns how many.
 template <template <int64_t> class Kernel>
-void dispatch_rows(const c10::Half* w, const float* x, int64_t rows, int64_t n, float* out) {
+int64_t dispatch_rows(const c10::Half* w, int64_t left, const float* x, int64_t rows, int64_t n,
+                      float* out) {
   switch (rows) {
-    case 1: return Kernel<1>::run(w, x, n, out);
-    case 2: return Kernel<2>::run(w, x, n, out);
-    case 3: return Kernel<3>::run(w, x, n, out);
-    case 4: return Kernel<4>::run(w, x, n, out);
-    case 5: return Kernel<5>::run(w, x, n, out);
-    case 6: return Kernel<6>::run(w, x, n, out);
-    case 7: return Kernel<7>::run(w, x, n, out);
-    default: return Kernel<8>::run(w, x, n, out);
+    case 1: return Kernel<1>::run(w, left, x, n, out);
+    case 2: return Kernel<2>::run(w, left, x, n, out);
+    case 3: return Kernel<3>::run(w, left, x, n, out);
+    case 4: return Kernel<4>::run(w, left, x, n, out);
+    case 5: return Kernel<5>::run(w, left, x, n, out);
+    case 6: return Kernel<6>::run(w, left, x, n, out);
+    case 7: return Kernel<7>::run(w, left, x, n, out);
+    default: return Kernel<8>::run(w, left, x, n, out);
   }
 }
 
 #ifdef EDGE0_X86
 template <int64_t R>
 struct Avx2Rows {
-  static void run(const c10::Half* w, const float* x, int64_t n, float* out) {
-    dots_avx2<R>(w, x, n, out);
+  static constexpr int64_t kWide = weight_rows_avx2(R);
+  static int64_t run(const c10::Half* w, int64_t left, const float* x, int64_t n, float* out) {
+    if (left >= kWide) return dots_avx2<R, kWide>(w, x, n, out), kWide;
+    return dots_avx2<R, 1>(w, x, n, out), 1;
   }
 };
 template <int64_t R>
 struct Avx512Rows {
-  static void run(const c10::Half* w, const float* x, int64_t n, float* out) {
-    dots_avx512<R>(w, x, n, out);
+  static constexpr int64_t kWide = weight_rows_avx512(R);
+  static int64_t run(const c10::Half* w, int64_t left, const float* x, int64_t n, float* out) {
+    if (left >= kWide) return dots_avx512<R, kWide>(w, x, n, out), kWide;
+    return dots_avx512<R, 1>(w, x, n, out), 1;
   }
 };
 
-void dots_avx2_any(const c10::Half* w, const float* x, int64_t rows, int64_t n, float* out) {
-  dispatch_rows<Avx2Rows>(w, x, rows, n, out);
+int64_t dots_avx2_any(const c10::Half* w, int64_t left, const float* x, int64_t rows, int64_t n,
+                      float* out) {
+  return dispatch_rows<Avx2Rows>(w, left, x, rows, n, out);
 }
-void dots_avx512_any(const c10::Half* w, const float* x, int64_t rows, int64_t n, float* out) {
-  dispatch_rows<Avx512Rows>(w, x, rows, n, out);
+int64_t dots_avx512_any(const c10::Half* w, int64_t left, const float* x, int64_t rows,
+                        int64_t n, float* out) {
+  return dispatch_rows<Avx512Rows>(w, left, x, rows, n, out);
 }
 #endif
 
-void dots_portable(const c10::Half* w, const float* x, int64_t rows, int64_t n, float* out) {
+int64_t dots_portable(const c10::Half* w, int64_t, const float* x, int64_t rows, int64_t n,
+                      float* out) {
   for (int64_t b = 0; b < rows; ++b) out[b] = dot_portable(w, x + b * n, n);
+  return 1;
 }
 
-// out[b] = dot(w, x[b]) for rows b of x [rows, n], at most kRowsAtOnce of them a call.
-using Dots = void (*)(const c10::Half*, const float*, int64_t, int64_t, float*);
+// out[j * rows + b] = dot(w[j], x[b]) for rows b of x [rows, n] (at most kRowsAtOnce) and the
+// first m rows j of w [left, n], m (returned) at least 1 and at most min(left, kMaxWeightRows).
+using Dots = int64_t (*)(const c10::Half*, int64_t, const float*, int64_t, int64_t, float*);
 
-Dots dots_for(int64_t isa) {
+// y[i] = y[i] + r[i] for i in [0, n): element by element, so each path's bits are the scalar
+// loop's (GCC's -O2 does not vectorize a loop of unknown length).
+using AddRow = void (*)(float*, const float*, int64_t);
+
 #ifdef EDGE0_X86
-  if (isa == kAvx512 && __builtin_cpu_supports("avx512f")) return dots_avx512_any;
-  if (isa >= kAvx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-    return dots_avx2_any;
-#endif
-  return dots_portable;
+__attribute__((target("avx512f"))) void add_row_avx512(float* y, const float* r, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_add_ps(_mm512_loadu_ps(y + i), _mm512_loadu_ps(r + i)));
+  for (; i < n; ++i) y[i] = y[i] + r[i];
 }
+__attribute__((target("avx2"))) void add_row_avx2(float* y, const float* r, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(r + i)));
+  for (; i < n; ++i) y[i] = y[i] + r[i];
+}
+#endif
+
+void add_row_portable(float* y, const float* r, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = y[i] + r[i];
+}
+
+// A path's kernels: the dots and the row additions.
+struct Kernels {
+  Dots dots;
+  AddRow add_row;
+};
+
+Kernels kernels_for(int64_t isa) {
+#ifdef EDGE0_X86
+  if (isa == kAvx512 && __builtin_cpu_supports("avx512f")) return {dots_avx512_any, add_row_avx512};
+  if (isa >= kAvx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    return {dots_avx2_any, add_row_avx2};
+#endif
+  return {dots_portable, add_row_portable};
+}
+
 
 // Each row's set experts, ascending: executed ones at their index, previous ones at E + index
 // (a negative index is no expert: a request's first position has no previous step).
@@ -257,26 +334,32 @@ Hot hot_floats(const at::Tensor& hot, const std::vector<std::vector<int64_t>>& s
 
 // y[b, n] = W[n] . x[b] + the hot rows' column n, for n in [0, N): W [N, D], `hot` the rows
 // of hot_floats; then with `gelu`, ATen's gelu_erf of it. Each weight row is converted once
-// for the rows.
+// for the rows. A row's hot rows are added after its dots, one after another in the set's
+// order, over the whole span of outputs at once (per output they were a chain of dependent
+// scalar adds: 8K of them for a row of the built-in model's fc1).
 void project(const c10::Half* w, const Hot* hot, const float* x, int64_t rows, int64_t n,
-             int64_t d, Dots dots, bool gelu, float* y) {
+             int64_t d, const Kernels& k, bool gelu, float* y) {
   const float* hp = hot != nullptr ? hot->rows.data() : nullptr;
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (2 * d));  // ~64 KiB of weights
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    float v[kRowsAtOnce];
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t b0 = 0; b0 < rows; b0 += kRowsAtOnce) {
-        const int64_t count = std::min(kRowsAtOnce, rows - b0);
-        dots(w + i * d, x + b0 * d, count, d, v);
-        for (int64_t j = 0; j < count; ++j) {
-          const int64_t b = b0 + j;
-          float u = v[j];
-          if (hp != nullptr)
-            for (int64_t e : hot->sets[b]) u = u + hp[e * n + i];
-          if (gelu) u = u * 0.5f * (1.0f + std::erf(u * kAlpha));
-          y[b * n + i] = u;
-        }
+    float v[kMaxWeightRows * kRowsAtOnce];
+    for (int64_t b0 = 0; b0 < rows; b0 += kRowsAtOnce) {
+      const int64_t count = std::min(kRowsAtOnce, rows - b0);
+      for (int64_t i0 = begin; i0 < end;) {
+        const int64_t m = k.dots(w + i0 * d, end - i0, x + b0 * d, count, d, v);
+        for (int64_t j = 0; j < m; ++j)
+          for (int64_t c = 0; c < count; ++c) y[(b0 + c) * n + i0 + j] = v[j * count + c];
+        i0 += m;
       }
+    }
+    for (int64_t b = 0; b < rows; ++b) {
+      float* yb = y + b * n + begin;
+      if (hp != nullptr)
+        for (int64_t e : hot->sets[b]) k.add_row(yb, hp + e * n + begin, end - begin);
+      if (gelu)
+        for (int64_t i = 0; i < end - begin; ++i)
+          yb[i] = yb[i] * 0.5f * (1.0f + std::erf(yb[i] * kAlpha));
+    }
   });
 }
 
@@ -316,13 +399,13 @@ std::vector<at::Tensor> prerouter_head(const at::Tensor& h, const at::Tensor& ex
   TORCH_CHECK(stage >= 0 && stage <= experts, "stage ", stage, " of ", experts, " experts");
   const at::Tensor x = h.to(at::kFloat).contiguous();
   const auto sets = hot_rows(executed.contiguous(), previous.contiguous(), rows, experts);
-  const Dots dots = dots_for(isa);
+  const Kernels kernels = kernels_for(isa);
 
   std::vector<float> hidden(rows * width), linear(rows * experts), out2(rows * experts);
   const Hot hot1 = hot_floats(w1_hot, sets), hot0 = hot_floats(w0_hot, sets);
-  project(half(w1), &hot1, x.data_ptr<float>(), rows, width, d, dots, true, hidden.data());
-  project(half(w2), nullptr, hidden.data(), rows, experts, width, dots, false, out2.data());
-  project(half(w0), &hot0, x.data_ptr<float>(), rows, experts, d, dots, false, linear.data());
+  project(half(w1), &hot1, x.data_ptr<float>(), rows, width, d, kernels, true, hidden.data());
+  project(half(w2), nullptr, hidden.data(), rows, experts, width, kernels, false, out2.data());
+  project(half(w0), &hot0, x.data_ptr<float>(), rows, experts, d, kernels, false, linear.data());
   at::Tensor logits = at::empty({rows, experts}, x.options());
   float* lp = logits.data_ptr<float>();
   for (int64_t i = 0; i < rows * experts; ++i) lp[i] = out2[i] + linear[i];
