@@ -28,10 +28,16 @@ from edge0.synth import Shape, synth
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
 
-def greedy_logits(kernel: str, no_prerouter: bool, steps: int = 12) -> torch.Tensor:
-    opts = EngineOptions(io_mode="buffered", expert_kernel=kernel, no_prerouter=no_prerouter)
+def greedy_logits(
+    kernel: str, no_prerouter: bool, steps: int = 12, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    opts = EngineOptions(
+        io_mode="buffered", expert_kernel=kernel, no_prerouter=no_prerouter, dtype=dtype
+    )
     engine = load_engine(builtin.model_dir(), opts)
     try:
+        if kernel == "fused":  # the op computes every layer, LoRA'd projections included
+            assert sorted(engine._layers) == list(range(len(engine.model.backbone.layers)))
         with engine.new_request() as req:
             logits = [engine.prefill(req, engine.tokenizer.encode("def read_config(path):"))]
             for _ in range(steps):
@@ -46,6 +52,14 @@ def test_engine_decodes_bit_identically_with_either_kernel(no_prerouter):
     """The built-in model: float attention projections under LoRA, experts int4."""
     torch.manual_seed(0)
     assert torch.equal(greedy_logits("fused", no_prerouter), greedy_logits("torch", no_prerouter))
+
+
+def test_engine_decodes_bit_identically_with_either_kernel_in_bf16():
+    """The same in bf16: the fp32 adapters' delta rounded to bf16, then scaled and added in
+    it, as LoraLinear does."""
+    torch.manual_seed(0)
+    fused = greedy_logits("fused", True, dtype=torch.bfloat16)
+    assert torch.equal(fused, greedy_logits("torch", True, dtype=torch.bfloat16))
 
 
 def int4_weights(n: int, k: int, gen: torch.Generator, layout=None, tiny_zero=False):
