@@ -259,9 +259,6 @@ std::vector<at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k, bool n
   return {weights.to(logits.scalar_type()), indices};
 }
 
-// edge0::router_topk: an MoE block's own router (a bias-free nn.Linear, h [T, D] -> logits
-// [T, E]) and softmax_topk of its logits (among the allowed experts, if given) in one call
-// -> (logits, weights, indices).
 // edge0::attend_rows: a batched decode step's attention (layers.py RowCaches.attend with
 // layers.attend, one token a row, no window): row b's key and value written at position n[b]
 // of its cache buffers [1, G, max, Dh], then SDPA of its query over positions 0..n[b], row by
@@ -298,9 +295,16 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return at::cat(outs).transpose(1, 2).reshape({rows, 1, -1});
 }
 
-std::vector<at::Tensor> router_topk(const at::Tensor& h, const at::Tensor& gate, int64_t k,
-                                    bool norm_topk_prob, const std::optional<at::Tensor>& allowed) {
-  const at::Tensor logits = at::linear(h, gate);
+// edge0::router_topk: an MoE block's own router (a bias-free nn.Linear, h [T, D] -> logits
+// [T, E]; `gate`: [weight], or [weight, lora_A, lora_B] under an enabled LoraLinear, whose
+// delta is scaled by `lora_scale`) and softmax_topk of its logits (among the allowed experts,
+// if given) in one call -> (logits, weights, indices).
+std::vector<at::Tensor> router_topk(const at::Tensor& h, at::TensorList gate, double lora_scale,
+                                    int64_t k, bool norm_topk_prob,
+                                    const std::optional<at::Tensor>& allowed) {
+  TORCH_CHECK(gate.size() == 1 || gate.size() == 3, "gate is [weight] or [weight, A, B]");
+  at::Tensor logits = at::linear(h, gate[0]);
+  if (gate.size() == 3) add_lora(h, gate[1], gate[2], lora_scale, logits);
   auto routed = softmax_topk(logits, k, norm_topk_prob, allowed);
   return {logits, routed[0], routed[1]};
 }
@@ -319,8 +323,8 @@ TORCH_LIBRARY(edge0, m) {
       "Tensor");
   m.def("softmax_topk(Tensor logits, int k, bool norm_topk_prob, Tensor? allowed) -> Tensor[]");
   m.def(
-      "router_topk(Tensor h, Tensor gate, int k, bool norm_topk_prob, Tensor? allowed) -> "
-      "Tensor[]");
+      "router_topk(Tensor h, Tensor[] gate, float lora_scale, int k, bool norm_topk_prob, "
+      "Tensor? allowed) -> Tensor[]");
   m.def(
       "attend_rows(Tensor q, Tensor k, Tensor v, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
       "int[] n, float scale) -> Tensor");

@@ -73,7 +73,8 @@ def servable(layer: nn.Module) -> bool:
 
 class NativeRoute:
     """An MoE block's softmax top-k routing through the ops, which run its ATen ops in one
-    call: the block's own router with routing.softmax_topk (edge0::router_topk), or
+    call: the block's own router (under its adapter, if any) with routing.softmax_topk
+    (edge0::router_topk), or
     softmax_topk of the call's prediction (edge0::softmax_topk); either among the allowed
     experts if the call has them (a staged set wider than K). A router of another kind goes
     through the block's own routing."""
@@ -81,15 +82,27 @@ class NativeRoute:
     def __init__(self, block: MoEBlock, router_topk: Callable, softmax_topk: Callable):
         self.block, self.router_topk, self.softmax_topk = block, router_topk, softmax_topk
         self.norm = block.selector.norm_topk_prob
-        gate = block.gate
-        self.gate = gate.weight if type(gate) is nn.Linear and gate.bias is None else None
+        self._key, self._gate = None, None
+
+    def _router(self) -> tuple[list[torch.Tensor], float] | None:
+        """The op's gate tensors and LoRA scale (`_projection`'s, for a float gate under an
+        adapter or none), again only when the gate or its adapter's switch changed; None
+        where the op cannot take the gate."""
+        gate = self.block._modules["gate"]
+        key = (gate, gate.__dict__.get("enabled"))
+        if key != self._key:
+            self._key, parts = key, _projection(gate)
+            dense = parts is not None and parts[0][0].dtype in (torch.float32, torch.bfloat16)
+            self._gate = parts if dense and len(parts[0]) in (1, 3) else None
+        return self._gate
 
     def __call__(self, h: torch.Tensor, fwd) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         block = self.block
         logits = fwd.predicted.get(block.layer)  # a prediction replaces the router
         allowed = fwd.allowed.get(block.layer)
-        if logits is None and self.gate is not None and self.gate.dtype == h.dtype:
-            return tuple(self.router_topk(h, self.gate, block.top_k, self.norm, allowed))
+        gate = self._router() if logits is None else None
+        if gate is not None and gate[0][0].dtype == h.dtype:
+            return tuple(self.router_topk(h, *gate, block.top_k, self.norm, allowed))
         if logits is None:
             logits = block.gate(h)
         return logits, *self.softmax_topk(logits, block.top_k, self.norm, allowed)
