@@ -15,6 +15,7 @@ import ctypes
 import functools
 import os
 import re
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -103,7 +104,8 @@ class PeakSampler:
 
     def stop(self) -> None:
         _SAMPLING.remove(self)
-        self._note(sample())
+        if not _finalizing():  # at exit, `open` may be gone already
+            self._note(sample())
 
     def __enter__(self) -> PeakSampler:
         return self.start()
@@ -132,6 +134,12 @@ class _Sampling:
             self._cond.notify()  # its interval may be the shortest
 
     def remove(self, p: PeakSampler) -> None:
+        if _finalizing():
+            # At exit the interpreter freezes daemon threads where they stand, this one perhaps
+            # holding the lock: a PeakSampler stopped then (a generator closed as its module is
+            # torn down) waited on it forever. The thread no longer runs, so no lock is needed.
+            self._running.discard(p)
+            return
         with self._cond:
             self._running.discard(p)
 
@@ -152,5 +160,6 @@ class _Sampling:
         self._running, self._thread = set(), None
 
 
+_finalizing = sys.is_finalizing  # held here: at exit the module's globals may be cleared first
 _SAMPLING = _Sampling()
 os.register_at_fork(after_in_child=_SAMPLING._forked)
