@@ -104,7 +104,7 @@ class PeakSampler:
 
     def stop(self) -> None:
         _SAMPLING.remove(self)
-        if not _finalizing():  # at exit, `open` may be gone already
+        if not sys.is_finalizing():  # at exit, `open` may be gone already
             self._note(sample())
 
     def __enter__(self) -> PeakSampler:
@@ -134,7 +134,7 @@ class _Sampling:
             self._cond.notify()  # its interval may be the shortest
 
     def remove(self, p: PeakSampler) -> None:
-        if _finalizing():
+        if sys.is_finalizing():
             # At exit the interpreter freezes daemon threads where they stand, this one perhaps
             # holding the lock: a PeakSampler stopped then (a generator closed as its module is
             # torn down) waited on it forever. The thread no longer runs, so no lock is needed.
@@ -160,6 +160,5 @@ class _Sampling:
         self._running, self._thread = set(), None
 
 
-_finalizing = sys.is_finalizing  # held here: at exit the module's globals may be cleared first
 _SAMPLING = _Sampling()
 os.register_at_fork(after_in_child=_SAMPLING._forked)

@@ -254,13 +254,13 @@ struct Kernels {
 
 Kernels kernels_for(int64_t isa) {
 #ifdef EDGE0_X86
-  if (isa == kAvx512 && __builtin_cpu_supports("avx512f")) return {dots_avx512_any, add_row_avx512};
+  if (isa == kAvx512 && __builtin_cpu_supports("avx512f"))
+    return {dots_avx512_any, add_row_avx512};
   if (isa >= kAvx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
     return {dots_avx2_any, add_row_avx2};
 #endif
   return {dots_portable, add_row_portable};
 }
-
 
 // Each row's set experts, ascending: executed ones at their index, previous ones at E + index
 // (a negative index is no expert: a request's first position has no previous step).

@@ -74,10 +74,9 @@ def servable(layer: nn.Module) -> bool:
 class NativeRoute:
     """An MoE block's softmax top-k routing through the ops, which run its ATen ops in one
     call: the block's own router (under its adapter, if any) with routing.softmax_topk
-    (edge0::router_topk), or
-    softmax_topk of the call's prediction (edge0::softmax_topk); either among the allowed
-    experts if the call has them (a staged set wider than K). A router of another kind goes
-    through the block's own routing."""
+    (edge0::router_topk), or softmax_topk of the call's prediction (edge0::softmax_topk);
+    either among the allowed experts if the call has them (a staged set wider than K). A
+    router of another kind goes through the block's own routing."""
 
     def __init__(self, block: MoEBlock, router_topk: Callable, softmax_topk: Callable):
         self.block, self.router_topk, self.softmax_topk = block, router_topk, softmax_topk
