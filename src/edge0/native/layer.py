@@ -91,8 +91,9 @@ class NativeRoute:
         key = (gate, gate.__dict__.get("enabled"))
         if key != self._key:
             self._key, parts = key, _projection(gate)
+            # a float gate's parts are [weight] or [weight, A, B]; an int4 one's start uint8
             dense = parts is not None and parts[0][0].dtype in (torch.float32, torch.bfloat16)
-            self._gate = parts if dense and len(parts[0]) in (1, 3) else None
+            self._gate = parts if dense else None
         return self._gate
 
     def __call__(self, h: torch.Tensor, fwd) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
