@@ -24,8 +24,9 @@ SHAPE = Shape(
 
 
 def routed_experts(model_dir, steps: int) -> dict[int, collections.Counter]:
-    """Experts the engine requests per layer while decoding held-out text."""
-    engine = load_engine(model_dir, EngineOptions(top_k=4, no_prerouter=True))
+    """Experts the engine requests per layer while decoding held-out text (read as routed: a
+    preloaded pool serves resident experts without a request)."""
+    engine = load_engine(model_dir, EngineOptions(top_k=4, no_prerouter=True, preload=False))
     seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     request = engine.pool.request
 

@@ -194,6 +194,12 @@ def add_engine_args(
     )
     g.add_argument("--no-lora", action="store_true", help="serve without the LoRA")
     g.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="read experts as they are first routed, even when the expert pool holds them "
+        "all (default: such a pool is read in full at load)",
+    )
+    g.add_argument(
         "--lora-any-base",
         action="store_true",
         help="load a LoRA trained for another base (its base_hash differs)",
@@ -223,6 +229,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         no_prerouter=args.no_prerouter,
         lora=args.lora,
         no_lora=args.no_lora,
+        preload=not args.no_preload,
         lora_any_base=args.lora_any_base,
     )
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from edge0 import decode, int4_layout, lora, memory, modeldir, native
 from edge0.loader import load_edge0_model
@@ -228,7 +229,14 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
             threaded=opts.heads_thread,
             native=native_heads(opts),
         )
-    return Engine(path, opts, manifest, model, plan, pool, prerouter, lora_meta, prerouter_meta)
+    engine = Engine(path, opts, manifest, model, plan, pool, prerouter, lora_meta, prerouter_meta)
+    if opts.preload and plan.holds_every_expert:
+        try:
+            engine.preload_experts(progress=True)
+        except BaseException:
+            engine.close()
+            raise
+    return engine
 
 
 def native_heads(opts: EngineOptions) -> tuple[Callable, int] | None:
@@ -298,13 +306,40 @@ class Engine:
         prefix = self.prefix_cache.stats.snapshot() if self.prefix_cache else PrefixStats()
         return EngineStats(self.pool.stats.snapshot(), pre, prefix, self.decode_stats.snapshot())
 
-    def preload_experts(self) -> None:
-        """Read every expert into the pool now (the pool must hold them all): a bench's
-        compute-only arm."""
-        for layer in self.moe_layers:
-            entries = self.pool.request(layer, list(range(self.config.num_experts)))
-            self.pool.wait(entries)
-            self.pool.release(entries)
+    def preload_experts(self, progress: bool = False) -> None:
+        """Read every expert into the pool now; the pool must hold them all. load_engine does
+        it where it can (EngineOptions.preload), as llama.cpp reads its whole file at load.
+        Every read is queued at once, so the I/O threads never wait on this thread."""
+        if not self.plan.holds_every_expert:
+            raise ValueError(
+                f"the expert pool ({memory.format_bytes(self.plan.pool_bytes)}) cannot hold "
+                f"every expert ({memory.format_bytes(self.plan.experts_bytes)})"
+            )
+        n = self.config.num_experts
+        t0 = time.perf_counter()
+        before = self.pool.stats.bytes_read
+        bar = tqdm(
+            total=len(self.moe_layers) * n,
+            desc="reading experts into memory",
+            unit="expert",
+            disable=None if progress else True,  # None: off when stderr is not a terminal
+        )
+        pinned = []
+        try:
+            for layer in self.moe_layers:
+                pinned.append(self.pool.request(layer, list(range(n))))
+            for entries in pinned:
+                self.pool.wait(entries)
+                bar.update(n)
+        finally:
+            bar.close()
+            for entries in pinned:
+                self.pool.release(entries)
+        log.info(
+            "read every expert, %s, in %.2f s",
+            memory.format_bytes(self.pool.stats.bytes_read - before),
+            time.perf_counter() - t0,
+        )
 
     def new_request(self, prompt: list[int] | None = None, reuse: bool = True) -> Request:
         """Per-request state: a cache for the plan's context, no predictions. With `prompt`

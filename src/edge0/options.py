@@ -49,4 +49,7 @@ class EngineOptions:
     no_prerouter: bool = False  # gate-route every layer: the exact path, no heads, no slots
     lora: Path | None = None  # adapter file (default: MODEL_DIR/lora.safetensors if any)
     no_lora: bool = False  # serve the base projections only
+    # read every expert into the pool at load when the pool holds them all (the first tokens
+    # then run at the resident speed); off, or with a smaller pool, experts are read as routed
+    preload: bool = True
     lora_any_base: bool = False  # load an adapter whose base_hash differs from this model's

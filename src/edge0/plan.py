@@ -81,6 +81,10 @@ class ServingPlan:
         return self.pool_slots * self.extent_bytes
 
     @property
+    def holds_every_expert(self) -> bool:
+        return self.pool_bytes >= self.experts_bytes
+
+    @property
     def total_bytes(self) -> int:
         """What the engine allocates: the floor plus the pool."""
         return self.floor.total + self.pool_bytes

@@ -35,6 +35,7 @@ def run(spec: dict) -> dict:
         expert_kernel="torch" if variant == "torch" else EngineOptions.expert_kernel,
         stage_width=width,
         heads_thread={"thread": True, "inline": False}.get(variant),
+        preload=False,  # ondemand and prerouter read experts as routed; resident, all below
     )
     engine = load_engine(spec["model_dir"], opts)
     tokens = spec["tokens"]

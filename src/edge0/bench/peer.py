@@ -337,9 +337,9 @@ def report(s: dict) -> str:
         f"{m.get('torch_cpu_capability', '?')}; int4 experts "
         f"{memory.format_bytes(s['models']['expert_int4_bytes'])}, Q4_0 GGUF "
         f"{memory.format_bytes(s['models']['gguf_bytes'])}; RANDOM WEIGHTS (speed and memory)",
-        "| cap | engine | tok/s (median) | rounds | read/token | peak anon | peak file "
-        "| cgroup max | edge0 pool | cores busy | load before |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cap | engine | tok/s (median) | rounds | load s | read/token | peak anon "
+        "| peak file | cgroup max | edge0 pool | cores busy | load before |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(n: float | None) -> str:
@@ -351,13 +351,14 @@ def report(s: dict) -> str:
         pool = row["edge0_pool_bytes"]
         if row["decode_tok_s"] is None:
             why = ", ".join(row.get("crashed") or ["OOM-killed under the cap"])
-            lines.append(f"| {cap} | {row['engine']} | {why} |" + " |" * 8)
+            lines.append(f"| {cap} | {row['engine']} | {why} |" + " |" * 9)
             continue
         lines.append(
             f"| {cap} | {row['engine']} | {row['decode_tok_s']:.2f} | "
             f"{', '.join(f'{t:.2f}' for t in row['decode_tok_s_rounds'])} | "
-            f"{fmt(row['read_bytes_per_token'])} | {fmt(row['peak_anon_bytes'])} | "
-            f"{fmt(row['peak_file_bytes'])} | {fmt(usage)} | {fmt(pool)} | "
+            f"{row['load_s']:.1f} | {fmt(row['read_bytes_per_token'])} | "
+            f"{fmt(row['peak_anon_bytes'])} | {fmt(row['peak_file_bytes'])} | {fmt(usage)} | "
+            f"{fmt(pool)} | "
             f"{row['cpu_busy']:.2f} | {row['loadavg_1min_before']:.1f} |"
         )
     return "\n".join(lines)
