@@ -312,7 +312,12 @@ def test_decode_steps_in_one_forward_match_each_alone(row_engines, name):
     (~5e-7 relative in fp32): on the built-in model every logit stays within one bf16 step
     of the largest (the int4 kernel rounds activations to bf16) and each request stages the
     experts it stages alone; on random models, where a router's top-k can be a near tie that
-    such a difference flips, the median row agrees to fp32 rounding. Every pin is released."""
+    such a difference flips, the median row agrees to fp32 rounding. Every pin is released.
+
+    The built-in model is held to the bf16 step only: once a bf16 rounding of one row goes
+    the other way, that row's cache differs and so do its later steps, so how many rows stay
+    at fp32 agreement is chance, set by where the CPU's kernels round (AMD EPYC, AVX-512,
+    prerouter: 12 of 18 rows past 1e-5, 2 of 18 under ATEN_CPU_CAPABILITY=avx2)."""
     engine = row_engines[name]
     tok = engine.tokenizer
     prompts = [tok.encode(t) for t in ("def add(a, b):", "import os\nimport sys", "class A")]
@@ -336,7 +341,8 @@ def test_decode_steps_in_one_forward_match_each_alone(row_engines, name):
                     assert errors[-1] <= 2**-8
                     assert staged_keys(a) == staged_keys(b)
             tokens = [int(w.argmax()) for w in solo]
-        assert sorted(errors)[len(errors) // 2] < 1e-5, errors
+        if not name.startswith("builtin"):
+            assert sorted(errors)[len(errors) // 2] < 1e-5, errors
         assert [r.tokens for r in batched] == [r.tokens for r in alone]
         assert [r.position for r in batched] == [len(p) + 6 for p in prompts[:rows]]
         d = engine.stats().minus(before).decode
