@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from edge0 import builtin, int4_layout, native, quant
 from edge0.convert import convert
@@ -157,6 +158,130 @@ def test_the_prefill_experts_are_the_reference_bit_for_bit(dtype, width):
     assert got.dtype == torch.float32 and torch.equal(got, want)
     with pytest.raises(RuntimeError, match="is not a row of x"):
         rows(x, [(torch.tensor([40]), tensors[0])])
+
+
+def int8_paths() -> list[int]:
+    """The int8 kernels' codes this CPU runs (their portable, AVX2 and AVX-512 paths)."""
+    return [
+        native.INT8 + i
+        for i in range(len(native.ISA_PATHS))
+        if torch.ops.edge0.int4_isa_supported(i)
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_kernels_are_their_reference_bit_for_bit(dtype):
+    """The int8-activation kernels against quant.int4_linear_int8 (its exact integer sums and
+    fp32 steps in PyTorch), on every path this CPU runs and every arrangement: blocks of 64
+    and 32 rows (96 rows: a 64 and a 32 tail on AVX-512), one and 16 groups, 1 to 9 rows, a
+    group 1000x larger than the rest, a group of zeros. The paths' bits are the same, so the
+    int8 decode computes the same on every CPU."""
+    gen = torch.Generator().manual_seed(7)
+    op = native.int4_gemv()
+    paths = int8_paths()
+    assert len(paths) >= 1 and native.kernel_args(True)[1] in paths
+    for n, k in [(96, 64), (256, 1024), (160, 192)]:
+        q, _, pairs = int4_weights(n, k, gen)
+        for rows in (1, 2, 4, 5, 9):
+            x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+            x[0, :64] *= 1000
+            if k > 64:
+                x[-1, 64:128] = 0
+            want = quant.int4_linear_int8(x, q, pairs).to(dtype)
+            for layout in int4_layout.LAYOUTS.values():
+                for path in paths:
+                    got = op(x, layout.pack(q), pairs, native.layout_code(layout), path)
+                    assert got.dtype == dtype and torch.equal(got, want), (n, k, rows, path)
+    # what an int8 product gives up against the exact one: ~2x bf16's rounding error
+    q, packed, pairs = int4_weights(512, 1024, gen)
+    x = torch.randn(4, 1024, generator=gen)
+    exact = x.double() @ int4_layout.host_layout().dequantize(packed, pairs, 512, 1024).double().T
+    for isa in native.kernel_args()[1], native.kernel_args(True)[1]:
+        got = op(x, packed, pairs, native.kernel_args()[0], isa).double()
+        assert (got - exact).norm() / exact.norm() < 1e-2
+    bad = x.clone()
+    bad[1, 3] = float("nan")
+    got = op(bad, packed, pairs, *native.kernel_args(True))
+    assert got[1].isnan().all() and not got[[0, 2, 3]].isnan().any()
+
+
+def swiglu_int8(x: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor], t: ExpertTensors):
+    """One expert on its tokens as the int8 kernels compute it (the reference of the native
+    experts' int8 path): x [n, D] -> fp32 [n, D]."""
+    gate, up = quant.int4_linear_int8(x, codes[0], t.p13).float().chunk(2, dim=-1)
+    return quant.int4_linear_int8(F.silu(gate) * up, codes[1], t.p2).float()
+
+
+def test_the_int8_experts_are_their_reference_bit_for_bit():
+    """A decode token's 8 experts (FusedExperts) and prefill's experts on their tokens
+    (RowExperts) through the int8 kernels, against swiglu_int8 one expert at a time."""
+    gen = torch.Generator().manual_seed(8)
+    d, width, n_exp = 256, 192, 12
+    tensors, codes = {}, {}
+    for e in range(n_exp):
+        q13, w13, p13 = int4_weights(2 * width, d, gen)
+        q2, w2, p2 = int4_weights(d, width, gen)
+        tensors[e], codes[e] = ExpertTensors(w13, p13, w2, p2), (q13, q2)
+    x = torch.randn(3, d, generator=gen) * 2
+    indices = torch.stack([torch.randperm(n_exp, generator=gen)[:8] for _ in range(3)])
+    fused = decode_experts("fused", int8=True)
+    assert isinstance(fused, FusedExperts) and fused.isa >= native.INT8
+    want = torch.stack(
+        [
+            torch.cat([swiglu_int8(x[t : t + 1], codes[e], tensors[e]) for e in row])
+            for t, row in enumerate(indices.tolist())
+        ]
+    )
+    assert torch.equal(fused(x, indices, tensors), want)
+    groups = [(torch.nonzero((indices == e).any(-1)).flatten(), e) for e in range(n_exp)]
+    got = row_experts(fused)(x, [(tok, tensors[e]) for tok, e in groups])
+    assert torch.equal(
+        got, torch.cat([swiglu_int8(x[tok], codes[e], tensors[e]) for tok, e in groups])
+    )
+
+
+def test_the_engine_decodes_int8_within_its_stated_tolerance():
+    """The built-in model's decode with int8 activations against bf16 ones (the default),
+    teacher-forced on the bf16 run's greedy tokens: the next-token distributions stay within
+    a mean KL of 2e-3 nats and the argmax agrees on 90% of steps or more (measured: KL
+    2-5e-4, 98.5-99.7% over 400 tokens of three texts, docs/kernels.md), and the options say
+    which ran."""
+    steps = 24
+    runs = {}
+    tokens = None
+    for act in ("bf16", "int8"):
+        engine = load_engine(
+            builtin.model_dir(), EngineOptions(io_mode="buffered", int4_activations=act)
+        )
+        try:
+            assert engine.options.int4_activations == act
+            with engine.new_request() as req:
+                logits = [engine.prefill(req, engine.tokenizer.encode("def read_config(path):"))]
+                if tokens is None:
+                    for _ in range(steps):
+                        logits.append(engine.step(req, int(logits[-1].argmax())))
+                    tokens = [int(t.argmax()) for t in logits[:-1]]
+                else:
+                    for t in tokens:
+                        logits.append(engine.step(req, t))
+            runs[act] = torch.log_softmax(torch.stack(logits).float().reshape(steps + 1, -1), -1)
+        finally:
+            engine.close()
+    a, b = runs["bf16"], runs["int8"]
+    assert not torch.equal(a, b)  # the two kernels ran
+    kl = (a.exp() * (a - b)).sum(-1).mean()
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
+    assert kl < 2e-3 and agree >= 0.9, (kl, agree)
+
+
+def test_int8_activations_are_checked_and_the_torch_path_is_bf16():
+    with pytest.raises(ValueError, match="int4_activations must be one of int8, bf16"):
+        load_engine(builtin.model_dir(), EngineOptions(int4_activations="int4"))
+    engine = load_engine(builtin.model_dir(), EngineOptions(expert_kernel="torch"))
+    try:
+        assert engine.options.int4_activations == "bf16"
+    finally:
+        engine.close()
 
 
 def test_a_batched_steps_attention_is_the_module_paths_bit_for_bit():

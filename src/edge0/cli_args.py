@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from edge0 import memory, modeldir
-from edge0.options import DEFAULT_IO_MODE, EXPERT_KERNELS, EngineOptions
+from edge0.options import DEFAULT_IO_MODE, EXPERT_KERNELS, INT4_ACTIVATIONS, EngineOptions
 from edge0.store.expert_file import IO_MODES
 from edge0.store.relayout import POLICIES
 
@@ -169,6 +169,15 @@ def add_engine_args(
         "it builds (auto, default)",
     )
     g.add_argument(
+        "--int4-activations",
+        choices=INT4_ACTIVATIONS,
+        default=EngineOptions.int4_activations,
+        help="what the native int4 kernels multiply weights with: int8 codes with a scale per "
+        "64 inputs (int8: integer dot products, the same numbers on every CPU) or activations "
+        "rounded to bf16 (bf16: torch's int4 kernel bit for bit, as --expert-kernel torch) "
+        f"(default {EngineOptions.int4_activations})",
+    )
+    g.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -224,6 +233,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         relayout=args.relayout,
         cache_dir=args.cache_dir,
         expert_kernel=args.expert_kernel,
+        int4_activations=args.int4_activations,
         dtype=getattr(torch, args.dtype),
         prerouter=args.prerouter,
         no_prerouter=args.no_prerouter,

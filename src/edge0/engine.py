@@ -37,7 +37,7 @@ from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
 from edge0.models.layers import CacheSnapshot, KVCache
 from edge0.native.layer import native_layers
-from edge0.options import EngineOptions
+from edge0.options import INT4_ACTIVATIONS, EngineOptions
 from edge0.plan import ServingPlan, make_plan, model_dir_sizes
 from edge0.prefix_cache import PrefixCache, PrefixStats
 from edge0.prerouter.head import Prerouter
@@ -177,6 +177,13 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
     opts = options or EngineOptions()
     if opts.expert_kernel == "auto":  # settled now: the plan counts the heads as served
         opts = replace(opts, expert_kernel="fused" if native.available(opts.cache_dir) else "torch")
+    if opts.int4_activations not in INT4_ACTIVATIONS:
+        raise ValueError(
+            f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}: "
+            f"{opts.int4_activations!r}"
+        )
+    if opts.expert_kernel == "torch":  # the PyTorch paths are torch's kernel: bf16 activations
+        opts = replace(opts, int4_activations="bf16")
     path = Path(path)
     manifest, model = load_edge0_model(path, opts.dtype, experts="streaming")
     plan = make_plan(model_dir_sizes(path, manifest, model, opts), opts)
@@ -272,7 +279,8 @@ class Engine:
         self.recurrent = model.new_cache(1, device="meta").recurrent
         self.tokenizer = load_tokenizer(path)
         self.eos = eos_ids(path, self.tokenizer)
-        self.decode_experts = decode_experts(options.expert_kernel, options.cache_dir)
+        int8 = options.int4_activations == "int8"
+        self.decode_experts = decode_experts(options.expert_kernel, options.cache_dir, int8)
         # prefill's experts, and a batched decode step's, in one native call (else None)
         self.rows_experts = row_experts(self.decode_experts, options.cache_dir)
         # with the native ops, a decode token's norms and attention too, where they serve it
@@ -280,7 +288,7 @@ class Engine:
         # and a batched step's attention, row by row in one call
         self.attend_rows = None
         if isinstance(self.decode_experts, FusedExperts):
-            self._layers = native_layers(model, options.cache_dir)
+            self._layers = native_layers(model, options.cache_dir, int8)
             self.attend_rows = native.attend_rows(options.cache_dir)
         # with no heads thread, every request to the pool comes from the thread that decodes
         sole = prerouter is None or prerouter.worker is None

@@ -12,6 +12,7 @@ import torch
 
 DEFAULT_IO_MODE = "direct"
 EXPERT_KERNELS = ("auto", "fused", "torch")  # EngineOptions.expert_kernel
+INT4_ACTIVATIONS = ("int8", "bf16")  # EngineOptions.int4_activations
 
 
 @dataclass
@@ -29,6 +30,11 @@ class EngineOptions:
     # use), "torch" (the pure-PyTorch reference paths; the same numbers), "auto" (fused where
     # it can be built, else torch)
     expert_kernel: str = "auto"
+    # what the native int4 kernels multiply the weights with: activations rounded to bf16
+    # ("bf16": torch's int4 kernel bit for bit, the PyTorch path's numbers) or int8 codes with
+    # a scale per 64 ("int8": integer dot products, faster, the same bits on every CPU; the
+    # PyTorch paths and forwards of several rows' attention stay bf16)
+    int4_activations: str = "bf16"
     max_context: int = 4096  # sizes the KV part of the resident floor
     # requests decoding at once: each holds its own state at max_context and staging room
     max_active: int = 1

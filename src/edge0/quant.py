@@ -72,3 +72,37 @@ def to_kernel_pairs(pairs: torch.Tensor) -> None:
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     """y = x @ W.T with W in kernel form; x is cast to bf16 (the kernel is ~10x slower in fp32)."""
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, GROUP, pairs)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [R, K] as the int8 kernels take them: per group of 64 inputs, codes
+    round(x * (127 / a)) within [-127, 127] (ties to even) for the group's largest magnitude
+    a, and the scale d = a / 127 (0 for a group of zeros). Returns codes [R, K/64, 64] (as
+    floats) and d [R, K/64]."""
+    r, k = x.shape
+    g = x.float().reshape(r, k // GROUP, GROUP)
+    a = g.abs().amax(-1)
+    # a division, as the kernels divide (`127.0 / a` would multiply by a's reciprocal)
+    inv = torch.where(a > 0, torch.full_like(a, 127.0) / torch.where(a > 0, a, 1.0), 0.0)
+    return torch.round(g * inv[..., None]).clamp_(-127, 127), a / 127.0
+
+
+def int4_linear_int8(x: torch.Tensor, codes: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """The reference of the native int8-activation kernels (native/int4_gemv.cpp): y = x @ W.T
+    for W [N, K] = (codes - 8) * scale + zero (codes uint8 [N, K] unpacked, pairs the kernel's
+    [K/64, N, 2]), x quantized per group by quantize_activations. Per group, the exact integer
+    sum I of codes times activation codes, then in fp32, group after group:
+    c = c + d * (scale * (I - 8 X) + zero * X), X the group's sum of activation codes. bf16 out.
+    """
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = codes.shape[0]
+    xq, d = quantize_activations(x.reshape(-1, k))
+    # exact: every partial sum is an integer below 2^53
+    dots = torch.einsum("ngk,rgk->rgn", codes.double().reshape(n, k // GROUP, GROUP), xq.double())
+    sums = xq.sum(-1)  # exact in fp32 (|X| <= 64 * 127)
+    scale, zero = pairs[..., 0].float(), pairs[..., 1].float()
+    c = torch.zeros(xq.shape[0], n)
+    for g in range(k // GROUP):
+        t = (dots[:, g] - 8 * sums[:, g, None].double()).float()
+        c = c + d[:, g, None] * (scale[g] * t + zero[g] * sums[:, g, None])
+    return c.to(torch.bfloat16).reshape(*lead, n)

@@ -51,7 +51,7 @@ def _valid_arm(arm: str) -> bool:
     name, _, variant = arm.partition("+")
     wide = name == "prerouter" and variant[:1] == "w" and variant[1:].isdigit()
     heads = name == "prerouter" and variant in ("thread", "inline")
-    return name in ARMS and (variant in ("", "nolora", "torch") or wide or heads)
+    return name in ARMS and (variant in ("", "nolora", "torch", "int8", "bf16") or wide or heads)
 
 
 def base(arm: str) -> str:
@@ -133,8 +133,8 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
     expert_bytes = sum(t.count for t in table.values()) * extent
     if not all(_valid_arm(a) for a in cfg.arms):
         raise ValueError(
-            f"--arms: choose from {', '.join(ARMS)}, each optionally +nolora or +torch, "
-            "and prerouter+wN (a stage width of N experts), prerouter+thread or +inline"
+            f"--arms: choose from {', '.join(ARMS)}, each optionally +nolora, +torch, +int8 or "
+            "+bf16, and prerouter+wN (a stage width of N experts), prerouter+thread or +inline"
         )
     capped = [a for a in cfg.arms if base(a) != "resident"]
     if capped and not cgroup.available():

@@ -2,7 +2,8 @@
 
 Invoked as `python -m edge0.bench.arm SPEC.json OUT.json` by the orchestrator (edge0.bench.ab).
 The spec names the model, the arm (prerouter | ondemand | resident, optionally +nolora, +torch
-for the pure-PyTorch expert path instead of the fused op, prerouter+wN for a stage width of
+for the pure-PyTorch expert path instead of the fused op, +int8 or +bf16 for the native int4
+kernels' activations (EngineOptions.int4_activations), prerouter+wN for a stage width of
 N experts, prerouter+thread or +inline for the heads on a thread of their own or not), K, the
 pool size, the token sequence and the number of warm-up steps. The arm prefills the first
 token, runs the warm-up steps, then times each replayed decode step.
@@ -19,10 +20,11 @@ import torch
 
 from edge0 import memory, runtime
 from edge0.engine import EngineOptions, load_engine
+from edge0.options import INT4_ACTIVATIONS
 
 
 def run(spec: dict) -> dict:
-    arm, _, variant = spec["arm"].partition("+")  # +nolora, +torch, +thread, +inline, +wN
+    arm, _, variant = spec["arm"].partition("+")  # +nolora, +torch, +int8, +thread, +inline, +wN
     width = int(variant[1:]) if variant[:1] == "w" and variant[1:].isdigit() else None
     opts = EngineOptions(
         top_k=spec["top_k"],
@@ -33,6 +35,7 @@ def run(spec: dict) -> dict:
         prerouter=Path(spec["prerouter"]) if arm == "prerouter" else None,
         no_lora=variant == "nolora",
         expert_kernel="torch" if variant == "torch" else EngineOptions.expert_kernel,
+        int4_activations=variant if variant in INT4_ACTIVATIONS else EngineOptions.int4_activations,
         stage_width=width,
         heads_thread={"thread": True, "inline": False}.get(variant),
         preload=False,  # ondemand and prerouter read experts as routed; resident, all below

@@ -21,9 +21,11 @@ they remove is the Python, the dispatch and the dtype round trips between that p
 The int4 products are edge0's own kernels (AVX-512, AVX2, portable), each doing what torch's
 int4 kernel does for the CPU capability of that name, operation for operation; `kernel_args`
 gives the ops the path of torch's capability here (ATEN_CPU_CAPABILITY selects both) and the
-arrangement the weights are packed in. The norms add their sums in the order ATen's float
-reduction adds them (as do the weighted sums), whose vector width `sum_lanes` finds by
-comparing with ATen here.
+arrangement the weights are packed in. `kernel_args(int8=True)` gives the same ops' int8
+paths instead (EngineOptions.int4_activations): int8 activation codes, integer dot products,
+the same bits on every path, quant.int4_linear_int8 their reference. The norms add their
+sums in the order ATen's float reduction adds them (as do the weighted sums), whose vector
+width `sum_lanes` finds by comparing with ATen here.
 
 The library is compiled with the system's C++ compiler against the installed torch's
 headers, in a child process, the first time it is needed (`make` set-up does it: `python -m
@@ -58,6 +60,7 @@ SOURCES = [
 ]
 HEADERS = [Path(__file__).with_name(n) for n in ("int4_gemv.h", "norms.h")]
 ISA_PATHS = ("portable", "avx2", "avx512")  # int4_gemv.cpp's paths, by their code
+INT8 = 16  # added to a path's code: its int8-activation kernel (int4_gemv.cpp, Path)
 # heads.cpp computes the same bits on each of its paths: it takes the widest the CPU has
 BEST_ISA = len(ISA_PATHS) - 1
 # No -march: int4_gemv.cpp marks its AVX2 and AVX-512 functions with target attributes and
@@ -187,10 +190,11 @@ def layout_code(layout: Int4Layout) -> list[int]:
 
 
 @functools.cache
-def kernel_args() -> tuple[list[int], int]:
+def kernel_args(int8: bool = False) -> tuple[list[int], int]:
     """(layout, isa) for the int4 ops here: the weights' arrangement (the host's, which the
-    loader packs them in) and the path of torch's capability."""
-    return layout_code(int4_layout.host_layout()), kernel_isa()
+    loader packs them in) and the path of torch's capability, or its int8-activation kernel
+    (the same bits on every path)."""
+    return layout_code(int4_layout.host_layout()), kernel_isa() + (INT8 if int8 else 0)
 
 
 def swiglu_int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:

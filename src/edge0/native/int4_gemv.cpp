@@ -19,6 +19,12 @@
 // rows on, AVX-512 decodes a group's weights into a tile once for up to 32 rows
 // (tiled_avx512): same sums in the same order, 1.08-1.13x faster again.
 //
+// With kInt8Flag added to the path's code, the same ops run the int8 paths instead (q8_*,
+// below): activations become int8 codes with a scale per group of 64, and the products are
+// integer dot products (VNNI's dpbusd where the CPU has it, AVX2's maddubs, or scalar code),
+// ~2x the bf16 path's rounding error and faster: their sums are their own, the same bits on
+// every path (quant.int4_linear_int8 is their PyTorch reference).
+//
 // edge0::swiglu_int4_gemv: a decode token's K experts, down(silu(gate x) * up x), with the
 // reference's rounding points and its silu (ATen's, over all experts at once).
 // edge0::swiglu_int4_rows: the same for prefill, each expert on the tokens routed to it.
@@ -32,7 +38,10 @@
 #include "norms.h"
 
 #include <cstdint>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -52,6 +61,16 @@ constexpr int64_t kGroup = 64;  // quant.GROUP
 constexpr int64_t kPrefetch = 4096;
 
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+// Added to a path's code: the int8-activation kernels (q8_*), see Path.
+constexpr int64_t kInt8Flag = 16;
+
+// What a call computes with: the vector path, and whether activations go in as bf16 (the
+// exact paths, torch's kernel bit for bit) or as int8 codes (the int8 paths, their own sums,
+// the same on every path).
+struct Path {
+  Isa isa;
+  bool int8;
+};
 
 // One run of like blocks of an arrangement: rows [first, first + rows), blocks of `block`
 // rows, each stored as [K][block / 2] bytes; within a byte column, lane j of the low nibbles
@@ -96,12 +115,22 @@ struct Matrix {
   int64_t n, k;
 };
 
+// One row of activations as a path reads it: `f`, rounded to bf16 and held as floats, for the
+// exact paths; for the int8 ones, the codes `q` [K] and, per group of 64 inputs, their scale
+// `d` and the codes' sum.
+struct Row {
+  const float* f;
+  const int8_t* q;
+  const float* d;
+  const int32_t* sum;
+};
+
 // Block kernels: `acc` gets the block's rows in lane order.
 
 // R rows of activations at once, each its own sums (every weight is decoded once for them):
 // row r's lanes go to acc[r * 64 + l].
 template <int R>
-void block_portable(const Matrix& m, const Segment& s, int64_t b0, const float* const* x,
+void block_portable(const Matrix& m, const Segment& s, int64_t b0, const Row* x,
                     float* acc) {
   const int64_t half = s.block / 2;
   const uint8_t* base = m.packed + b0 * (m.k / 2);
@@ -125,16 +154,151 @@ void block_portable(const Matrix& m, const Segment& s, int64_t b0, const float* 
       for (int r = 0; r < R; ++r) {
         float* a = acc + r * 64;
 #if defined(__aarch64__)
-        a[j] = std::fma(w0, x[r][k], a[j]);
-        a[half + j] = std::fma(w1, x[r][k], a[half + j]);
+        a[j] = std::fma(w0, x[r].f[k], a[j]);
+        a[half + j] = std::fma(w1, x[r].f[k], a[half + j]);
 #else
-        a[j] = a[j] + x[r][k] * w0;
-        a[half + j] = a[half + j] + x[r][k] * w1;
+        a[j] = a[j] + x[r].f[k] * w0;
+        a[half + j] = a[half + j] + x[r].f[k] * w1;
 #endif
       }
     }
   }
 }
+
+
+// The int8 paths. Each row's activations are int8 codes with a scale per group of 64
+// inputs (quantize_row), and every path computes the same sums: per group g and output row,
+// the exact integer I = sum over the group of q * xq (the weight codes 0..15 against the
+// activation codes), then, in fp32 with no fused operations and the groups in order,
+//   c = c + d[g] * (s * float(I - 8 * X[g]) + z * float(X[g]))
+// with (s, z) the row's kernel pair and X[g] the group's sum of activation codes (the
+// weight is (q - 8) * s + z, the activation ~ d * xq); y = bf16(c). The integer part is
+// exact and the float part is per lane, so the bits do not depend on the vector width.
+
+// One group's integer sums into the block's lanes: c = c + d * (s * (I - 8X) + z * X).
+template <int R>
+void q8_combine(const Matrix& m, const Segment& s, int64_t b0, int64_t g, const Row* x,
+                const int32_t (*dot)[64], float* acc) {
+  const uint32_t* pr = m.pairs + g * m.n + b0;
+  for (int64_t l = 0; l < s.block; ++l) {
+    const uint32_t p = pr[lane_row(l, s.block, s.interleaved)];
+    const float scale = bf16_bits(p & 0xffff), zero = bf16_bits(p >> 16);
+    for (int r = 0; r < R; ++r) {
+      const int32_t sum = x[r].sum[g];
+      const float t = static_cast<float>(dot[r][l] - 8 * sum);
+      const float v = scale * t + zero * static_cast<float>(sum);
+      acc[r * 64 + l] = acc[r * 64 + l] + x[r].d[g] * v;
+    }
+  }
+}
+
+template <int R>
+void q8_portable(const Matrix& m, const Segment& s, int64_t b0, const Row* x, float* acc) {
+  const int64_t half = s.block / 2;
+  const uint8_t* base = m.packed + b0 * (m.k / 2);
+  int32_t dot[R][64];
+  for (int r = 0; r < R; ++r)
+    for (int64_t l = 0; l < s.block; ++l) acc[r * 64 + l] = 0.f;
+  for (int64_t g = 0; g < m.k / kGroup; ++g) {
+    std::memset(dot, 0, sizeof(dot));
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      const uint8_t* col = base + k * half;
+      if ((k * half) % 64 == 0) __builtin_prefetch(col + kPrefetch);
+      for (int64_t j = 0; j < half; ++j) {
+        const int32_t lo = col[j] & 15, hi = col[j] >> 4;
+        for (int r = 0; r < R; ++r) {
+          dot[r][j] += lo * x[r].q[k];
+          dot[r][half + j] += hi * x[r].q[k];
+        }
+      }
+    }
+    q8_combine<R>(m, s, b0, g, x, dot, acc);
+  }
+}
+
+#ifdef EDGE0_X86
+
+// 4 activation codes from k on, as one int32 to broadcast.
+inline int32_t quad(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return v;
+}
+
+// C 16-byte chunks per byte column (1: blocks of 32 rows, 2: of 64). For 4 columns at a
+// time, chunk c's bytes become 4-byte lanes [col k][col k+1][col k+2][col k+3] of byte j
+// (unpacks), whose nibbles go through maddubs against the 4 activation codes: lanes 16c + j
+// of the low nibbles (vectors 2c, 2c + 1), half + 16c + j of the high ones.
+template <int C, int R>
+__attribute__((target("avx2,fma"))) void q8_avx2(const Matrix& m, const Segment& s, int64_t b0,
+                                                 const Row* x, float* acc) {
+  constexpr int V = 4 * C;
+  constexpr int64_t half = 16 * C;
+  const uint8_t* base = m.packed + b0 * (m.k / 2);
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  alignas(32) uint32_t lanes[8];
+  for (int r = 0; r < R; ++r)
+    for (int64_t l = 0; l < s.block; ++l) acc[r * 64 + l] = 0.f;
+  for (int64_t g = 0; g < m.k / kGroup; ++g) {
+    __m256i dot[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) dot[r][v] = _mm256_setzero_si256();
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += 4) {
+      const uint8_t* col = base + k * half;
+      _mm_prefetch((const char*)(col + kPrefetch), _MM_HINT_T0);
+      if (C == 2) _mm_prefetch((const char*)(col + kPrefetch + 64), _MM_HINT_T0);
+      __m256i w[V];
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* p = col + 16 * c;
+        const __m128i a0 = _mm_loadu_si128((const __m128i*)p);
+        const __m128i a1 = _mm_loadu_si128((const __m128i*)(p + half));
+        const __m128i a2 = _mm_loadu_si128((const __m128i*)(p + 2 * half));
+        const __m128i a3 = _mm_loadu_si128((const __m128i*)(p + 3 * half));
+        const __m128i t0 = _mm_unpacklo_epi8(a0, a1), t1 = _mm_unpackhi_epi8(a0, a1);
+        const __m128i t2 = _mm_unpacklo_epi8(a2, a3), t3 = _mm_unpackhi_epi8(a2, a3);
+        const __m256i u0 = _mm256_set_m128i(_mm_unpackhi_epi16(t0, t2), _mm_unpacklo_epi16(t0, t2));
+        const __m256i u1 = _mm256_set_m128i(_mm_unpackhi_epi16(t1, t3), _mm_unpacklo_epi16(t1, t3));
+        w[2 * c] = _mm256_and_si256(u0, nib);
+        w[2 * c + 1] = _mm256_and_si256(u1, nib);
+        w[2 * C + 2 * c] = _mm256_and_si256(_mm256_srli_epi16(u0, 4), nib);
+        w[2 * C + 2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(u1, 4), nib);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i xq = _mm256_set1_epi32(quad(x[r].q + k));
+#pragma GCC unroll 8
+        for (int v = 0; v < V; ++v)
+          dot[r][v] = _mm256_add_epi32(
+              dot[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(w[v], xq), ones));
+      }
+    }
+    const uint32_t* pr = m.pairs + g * m.n + b0;
+    for (int v = 0; v < V; ++v) {
+      __m256i p;
+      if (s.interleaved) {
+        for (int i = 0; i < 8; ++i) lanes[i] = pr[lane_row(8 * v + i, s.block, true)];
+        p = _mm256_load_si256((const __m256i*)lanes);
+      } else {
+        p = _mm256_loadu_si256((const __m256i*)(pr + 8 * v));
+      }
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(p, hi_mask));
+      for (int r = 0; r < R; ++r) {
+        const int32_t sum = x[r].sum[g];
+        const __m256i sub = _mm256_set1_epi32(8 * sum);
+        const __m256 sumf = _mm256_set1_ps(static_cast<float>(sum)), d = _mm256_set1_ps(x[r].d[g]);
+        const __m256 t = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[r][v], sub));
+        const __m256 val = _mm256_add_ps(_mm256_mul_ps(scale, t), _mm256_mul_ps(zero, sumf));
+        float* a = acc + r * 64 + 8 * v;
+        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(d, val)));
+      }
+    }
+  }
+}
+
+#endif  // EDGE0_X86
 
 #ifdef EDGE0_X86
 
@@ -142,7 +306,7 @@ void block_portable(const Matrix& m, const Segment& s, int64_t b0, const float* 
 // column, low nibbles for v < V/2, high ones after.
 template <int V, int R>
 __attribute__((target("avx2,fma"))) void block_avx2(const Matrix& m, const Segment& s,
-                                                    int64_t b0, const float* const* x,
+                                                    int64_t b0, const Row* x,
                                                     float* acc) {
   constexpr int H = V / 2;
   const int64_t half = s.block / 2;
@@ -173,7 +337,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Matrix& m, const Segme
       if ((k * half) % 64 == 0) _mm_prefetch((const char*)(col + kPrefetch), _MM_HINT_T0);
       __m256 xk[R];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) xk[r] = _mm256_set1_ps(x[r][k]);
+      for (int r = 0; r < R; ++r) xk[r] = _mm256_set1_ps(x[r].f[k]);
 #pragma GCC unroll 8
       for (int v = 0; v < V; ++v) {
         __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(col + 8 * (v % H))));
@@ -213,7 +377,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) inline void pairs_
 // The codes become q - 8 by a permute from the table -8..7 indexed by their low 4 bits.
 template <int V, int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void block_avx512(
-    const Matrix& m, const Segment& s, int64_t b0, const float* const* x, float* acc) {
+    const Matrix& m, const Segment& s, int64_t b0, const Row* x, float* acc) {
   constexpr int H = V / 2;
   const int64_t half = s.block / 2;
   const uint8_t* base = m.packed + b0 * (m.k / 2);
@@ -228,7 +392,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void block_avx512(
       if ((k * half) % 64 == 0) _mm_prefetch((const char*)(col + kPrefetch), _MM_HINT_T0);
       __m512 xk[R];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) xk[r] = _mm512_set1_ps(x[r][k]);
+      for (int r = 0; r < R; ++r) xk[r] = _mm512_set1_ps(x[r].f[k]);
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) {
         __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(col + 16 * (v % H))));
@@ -272,7 +436,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void decode_avx512
 
 template <int V, int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void tile_avx512(
-    const __m512* tile, const float* const* x, int64_t k0, float* acc, bool first) {
+    const __m512* tile, const Row* x, int64_t k0, float* acc, bool first) {
   __m512 c[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v)
@@ -280,7 +444,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void tile_avx512(
   for (int64_t i = 0; i < kGroup; ++i) {
     __m512 xk[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) xk[r] = _mm512_set1_ps(x[r][k0 + i]);
+    for (int r = 0; r < R; ++r) xk[r] = _mm512_set1_ps(x[r].f[k0 + i]);
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       const __m512 w = tile[i * V + v];
@@ -294,19 +458,80 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void tile_avx512(
 
 template <int V>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void tiled_avx512(
-    const Matrix& m, const Segment& s, int64_t b0, const float* const* x, float* acc,
+    const Matrix& m, const Segment& s, int64_t b0, const Row* x, float* acc,
     int rows) {
   alignas(64) __m512 tile[kGroup * V];
   for (int64_t g = 0; g < m.k / kGroup; ++g) {
     decode_avx512<V>(m, s, b0, g, tile);
     for (int r0 = 0; r0 < rows; r0 += 4) {
-      const float* const* xr = x + r0;
+      const Row* xr = x + r0;
       float* a = acc + r0 * 64;
       switch (rows - r0) {
         case 1: tile_avx512<V, 1>(tile, xr, g * kGroup, a, g == 0); break;
         case 2: tile_avx512<V, 2>(tile, xr, g * kGroup, a, g == 0); break;
         case 3: tile_avx512<V, 3>(tile, xr, g * kGroup, a, g == 0); break;
         default: tile_avx512<V, 4>(tile, xr, g * kGroup, a, g == 0); break;
+      }
+    }
+  }
+}
+
+// The int8 path with AVX-512 VBMI and VNNI: C 16-byte chunks per byte column, as q8_avx2;
+// 4 columns are 4 * half contiguous bytes, and one byte permute (two sources for C = 2) puts
+// chunk c's bytes in 4-byte lanes [col k..k+3] of byte j, whose nibbles go through dpbusd.
+template <int C, int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512vnni"))) void
+q8_avx512(const Matrix& m, const Segment& s, int64_t b0, const Row* x, float* acc) {
+  constexpr int V = 2 * C;
+  constexpr int64_t half = 16 * C;
+  const uint8_t* base = m.packed + b0 * (m.k / 2);
+  alignas(64) uint8_t order[C][64];
+  for (int c = 0; c < C; ++c)
+    for (int j = 0; j < 16; ++j)
+      for (int i = 0; i < 4; ++i) order[c][4 * j + i] = static_cast<uint8_t>(i * half + 16 * c + j);
+  __m512i idx[C];
+  for (int c = 0; c < C; ++c) idx[c] = _mm512_load_si512(order[c]);
+  const __m512i nib = _mm512_set1_epi8(15);
+  __m512 scale[V], zero[V];
+  for (int r = 0; r < R; ++r)
+    for (int64_t l = 0; l < s.block; ++l) acc[r * 64 + l] = 0.f;
+  for (int64_t g = 0; g < m.k / kGroup; ++g) {
+    __m512i dot[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) dot[r][v] = _mm512_setzero_si512();
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += 4) {
+      const uint8_t* col = base + k * half;
+      _mm_prefetch((const char*)(col + kPrefetch), _MM_HINT_T0);
+      __m512i t[C];
+      if (C == 1) {
+        t[0] = _mm512_permutexvar_epi8(idx[0], _mm512_loadu_si512(col));
+      } else {
+        _mm_prefetch((const char*)(col + kPrefetch + 64), _MM_HINT_T0);
+        const __m512i z0 = _mm512_loadu_si512(col), z1 = _mm512_loadu_si512(col + 64);
+        for (int c = 0; c < C; ++c) t[c] = _mm512_permutex2var_epi8(z0, idx[c], z1);
+      }
+      __m512i w[V];
+      for (int c = 0; c < C; ++c) {
+        w[c] = _mm512_and_si512(t[c], nib);
+        w[C + c] = _mm512_and_si512(_mm512_srli_epi16(t[c], 4), nib);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i xq = _mm512_set1_epi32(quad(x[r].q + k));
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], w[v], xq);
+      }
+    }
+    pairs_avx512<V>(m, s, b0, g, scale, zero);
+    for (int r = 0; r < R; ++r) {
+      const int32_t sum = x[r].sum[g];
+      const __m512i sub = _mm512_set1_epi32(8 * sum);
+      const __m512 sumf = _mm512_set1_ps(static_cast<float>(sum)), d = _mm512_set1_ps(x[r].d[g]);
+      for (int v = 0; v < V; ++v) {
+        const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][v], sub));
+        const __m512 val = _mm512_add_ps(_mm512_mul_ps(scale[v], t), _mm512_mul_ps(zero[v], sumf));
+        float* a = acc + r * 64 + 16 * v;
+        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_mul_ps(d, val)));
       }
     }
   }
@@ -324,11 +549,36 @@ bool supported(Isa isa) {
   return isa == kPortable;
 }
 
+// The int8 path's AVX-512 kernel wants VBMI (its byte permutes) and VNNI (dpbusd) as well.
+bool int8_avx512() {
+#ifdef EDGE0_X86
+  return supported(kAvx512) && __builtin_cpu_supports("avx512vbmi") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+template <int R>
+void q8_rows(Isa isa, const Matrix& m, const Segment& s, int64_t b0, const Row* x, float* acc) {
+#ifdef EDGE0_X86
+  if (isa == kAvx512) {
+    s.block == 64 ? q8_avx512<2, R>(m, s, b0, x, acc) : q8_avx512<1, R>(m, s, b0, x, acc);
+  } else if (isa == kAvx2) {
+    s.block == 64 ? q8_avx2<2, R>(m, s, b0, x, acc) : q8_avx2<1, R>(m, s, b0, x, acc);
+  } else {
+    q8_portable<R>(m, s, b0, x, acc);
+  }
+#else
+  q8_portable<R>(m, s, b0, x, acc);
+#endif
+}
+
 // Rows of activations one block kernel call takes at once (the weights decoded once for all).
 constexpr int kRows = 4;
 
 template <int R>
-void block_rows(Isa isa, const Matrix& m, const Segment& s, int64_t b0, const float* const* x,
+void block_rows(Isa isa, const Matrix& m, const Segment& s, int64_t b0, const Row* x,
                 float* acc) {
 #ifdef EDGE0_X86
   if (isa == kAvx512) {
@@ -351,9 +601,22 @@ constexpr int kTiledFrom = 9;
 
 // One block of rows for each of `rows` activation rows: y[i][row] for the block's rows,
 // rounded to bf16.
-void block(Isa isa, const Matrix& m, const Segment& s, int64_t b0, const float* const* x,
+void block(Path path, const Matrix& m, const Segment& s, int64_t b0, const Row* x,
            float* const* y, int rows) {
   alignas(64) float acc[kTile * 64];
+  const Isa isa = path.isa;
+  if (path.int8) {
+    for (int r0 = 0; r0 < rows; r0 += kRows) {
+      const Row* xr = x + r0;
+      float* a = acc + r0 * 64;
+      switch (rows - r0) {
+        case 1: q8_rows<1>(isa, m, s, b0, xr, a); break;
+        case 2: q8_rows<2>(isa, m, s, b0, xr, a); break;
+        case 3: q8_rows<3>(isa, m, s, b0, xr, a); break;
+        default: q8_rows<4>(isa, m, s, b0, xr, a); break;
+      }
+    }
+  } else
 #ifdef EDGE0_X86
   if (isa == kAvx512 && rows >= kTiledFrom) {
     s.block == 64 ? tiled_avx512<4>(m, s, b0, x, acc, rows)
@@ -361,7 +624,7 @@ void block(Isa isa, const Matrix& m, const Segment& s, int64_t b0, const float* 
   } else
 #endif
     for (int r0 = 0; r0 < rows; r0 += kRows) {
-      const float* const* xr = x + r0;
+      const Row* xr = x + r0;
       float* a = acc + r0 * 64;
       switch (rows - r0) {
         case 1: block_rows<1>(isa, m, s, b0, xr, a); break;
@@ -375,20 +638,20 @@ void block(Isa isa, const Matrix& m, const Segment& s, int64_t b0, const float* 
       y[r][b0 + lane_row(l, s.block, s.interleaved)] = bf16_round(acc[r * 64 + l]);
 }
 
-// One matrix against up to kTile rows of (bf16-rounded) activations, into their y rows.
+// One matrix against up to kTile rows of activations, into their y rows.
 struct Job {
   Matrix m;
   std::vector<Segment> segs;
-  const float* x[kTile];
+  Row x[kTile];
   float* y[kTile];
   int rows;
 };
 
 // Jobs for one matrix against rows x[i] -> y[i]: kTile at a time where the tiled path takes
 // them, else kRows (more, smaller units for the threads to share).
-void add_rows(Isa isa, std::vector<Job>& jobs, const Matrix& m, const std::vector<Segment>& segs,
-              const std::vector<const float*>& x, const std::vector<float*>& y) {
-  const size_t per = isa == kAvx512 ? kTile : kRows;
+void add_rows(Path path, std::vector<Job>& jobs, const Matrix& m, const std::vector<Segment>& segs,
+              const std::vector<Row>& x, const std::vector<float*>& y) {
+  const size_t per = path.isa == kAvx512 && !path.int8 ? kTile : kRows;
   for (size_t i = 0; i < x.size(); i += per) {
     Job j{m, segs, {}, {}, 0};
     for (size_t r = i; r < x.size() && r < i + per; ++r, ++j.rows) {
@@ -400,7 +663,7 @@ void add_rows(Isa isa, std::vector<Job>& jobs, const Matrix& m, const std::vecto
 }
 
 // Every block of every job, in one parallel region (torch's intra-op threads).
-void run(Isa isa, const std::vector<Job>& jobs) {
+void run(Path path, const std::vector<Job>& jobs) {
   struct Unit {
     size_t job, segment;
     int64_t b0;
@@ -414,19 +677,76 @@ void run(Isa isa, const std::vector<Job>& jobs) {
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
       const Job& j = jobs[units[u].job];
-      block(isa, j.m, j.segs[units[u].segment], units[u].b0, j.x, j.y, j.rows);
+      block(path, j.m, j.segs[units[u].segment], units[u].b0, j.x, j.y, j.rows);
     }
   });
 }
 
-// Float rows rounded to bf16, as .to(torch.bfloat16) rounds them.
-std::vector<float> rounded(const at::Tensor& x) {
-  const at::Tensor xf = edge0::floats(x);
-  const float* p = xf.data_ptr<float>();
-  std::vector<float> out(xf.numel());
-  for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_round(p[i]);
-  return out;
+// One row's int8 codes per group of 64: scale d = a / 127 for the group's largest magnitude
+// a, codes q = round(x * (127 / a)) (to nearest, ties to even) within [-127, 127], and their
+// sum; a group of zeros has d = 0, one holding an inf or a NaN d = NaN (so y is NaN, as the
+// exact paths' would be).
+void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* sum) {
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const float* xg = x + g * kGroup;
+    float a = 0.f;
+    bool finite = true;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const float v = std::fabs(xg[i]);
+      if (!(v <= std::numeric_limits<float>::max())) finite = false;
+      else if (v > a) a = v;
+    }
+    int32_t total = 0;
+    if (finite && a > 0.f) {
+      const float inv = 127.f / a;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const float v = std::nearbyint(xg[i] * inv);
+        const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
+        q[g * kGroup + i] = static_cast<int8_t>(c);
+        total += c;
+      }
+      d[g] = a / 127.f;
+    } else {
+      std::memset(q + g * kGroup, 0, kGroup);
+      d[g] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+    }
+    sum[g] = total;
+  }
 }
+
+// Rows [rows, K] of activations, prepared once for the path that reads them: rounded to
+// bf16 as .to(torch.bfloat16) rounds them (the exact paths), or as int8 codes.
+struct Acts {
+  std::vector<float> f;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sum;
+  int64_t k = 0;
+
+  Acts(const at::Tensor& x, bool int8) : k(x.size(-1)) {
+    const at::Tensor xf = edge0::floats(x);
+    const float* p = xf.data_ptr<float>();
+    const int64_t n = xf.numel();
+    if (!int8) {
+      f.resize(n);
+      for (int64_t i = 0; i < n; ++i) f[i] = bf16_round(p[i]);
+      return;
+    }
+    TORCH_CHECK(k % kGroup == 0, "int8 activations come in groups of 64, got ", k, " inputs");
+    const int64_t rows = k ? n / k : 0, groups = k / kGroup;
+    q.resize(n);
+    d.resize(rows * groups);
+    sum.resize(rows * groups);
+    for (int64_t r = 0; r < rows; ++r)
+      quantize_row(p + r * k, k, q.data() + r * k, d.data() + r * groups, sum.data() + r * groups);
+  }
+
+  Row row(int64_t r) const {
+    if (q.empty()) return {f.data() + r * k, nullptr, nullptr, nullptr};
+    const int64_t groups = k / kGroup;
+    return {nullptr, q.data() + r * k, d.data() + r * groups, sum.data() + r * groups};
+  }
+};
 
 Matrix matrix(const at::Tensor& packed, const at::Tensor& pairs, int64_t k) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
@@ -439,11 +759,18 @@ Matrix matrix(const at::Tensor& packed, const at::Tensor& pairs, int64_t k) {
   return {packed.data_ptr<uint8_t>(), reinterpret_cast<const uint32_t*>(pairs.data_ptr()), n, k};
 }
 
-Isa checked(int64_t isa) {
-  TORCH_CHECK(isa >= kPortable && isa <= kAvx512, "isa is 0 (portable), 1 (AVX2) or 2 (AVX-512)");
-  const Isa i = static_cast<Isa>(isa);
+// A path's code: 0 (portable), 1 (AVX2) or 2 (AVX-512), plus kInt8Flag for int8 activations.
+// The int8 paths compute the same bits, so where the CPU has AVX-512 but not VBMI and VNNI,
+// the int8 AVX-512 code runs the AVX2 kernel.
+Path checked(int64_t code) {
+  const bool int8 = code >= kInt8Flag;
+  const int64_t isa = int8 ? code - kInt8Flag : code;
+  TORCH_CHECK(isa >= kPortable && isa <= kAvx512,
+              "isa is 0 (portable), 1 (AVX2) or 2 (AVX-512), plus 16 for int8 activations");
+  Isa i = static_cast<Isa>(isa);
   TORCH_CHECK(supported(i), "this CPU cannot run the int4 kernel's path ", isa);
-  return i;
+  if (int8 && i == kAvx512 && !int8_avx512()) i = kAvx2;
+  return {i, int8};
 }
 
 // The reference, per expert e (streaming/executors.py swiglu_int4):
@@ -453,11 +780,11 @@ at::Tensor swiglu_int4_gemv(const at::Tensor& x, at::TensorList w13, at::TensorL
                             at::TensorList w2, at::TensorList p2, at::IntArrayRef layout,
                             int64_t isa_code) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be [1, D], got ", x.sizes());
-  const Isa isa = checked(isa_code);
+  const Path path = checked(isa_code);
   const int64_t n_exp = static_cast<int64_t>(w13.size()), d = x.size(1);
   TORCH_CHECK(p13.size() == w13.size() && w2.size() == w13.size() && p2.size() == w13.size(),
               "one w13, p13, w2 and p2 per expert");
-  const std::vector<float> xb = rounded(x);
+  const Acts xa(x, path.int8);
   const int64_t width = n_exp ? w13[0].size(0) / 2 : 0;
   at::Tensor gate_up = at::empty({n_exp, 2 * width}, x.options().dtype(at::kFloat));
   std::vector<Job> up, down;
@@ -465,18 +792,18 @@ at::Tensor swiglu_int4_gemv(const at::Tensor& x, at::TensorList w13, at::TensorL
   for (int64_t e = 0; e < n_exp; ++e) {
     const Matrix m = matrix(w13[e], p13[e], d);
     TORCH_CHECK(m.n == 2 * width, "the experts of one call share their width");
-    add_rows(isa, up, m, up_segs, {xb.data()}, {gate_up.data_ptr<float>() + e * 2 * width});
+    add_rows(path, up, m, up_segs, {xa.row(0)}, {gate_up.data_ptr<float>() + e * 2 * width});
   }
-  run(isa, up);
+  run(path, up);
   const auto halves = gate_up.chunk(2, -1);
-  const std::vector<float> h = rounded(at::silu(halves[0]) * halves[1]);  // [K, I]
+  const Acts h(at::silu(halves[0]) * halves[1], path.int8);  // [K, I]
   at::Tensor out = at::empty({n_exp, d}, x.options().dtype(at::kFloat));
   for (int64_t e = 0; e < n_exp; ++e) {
     const Matrix m = matrix(w2[e], p2[e], width);
     TORCH_CHECK(m.n == d, "w2 must give ", d, " outputs");
-    add_rows(isa, down, m, down_segs, {h.data() + e * width}, {out.data_ptr<float>() + e * d});
+    add_rows(path, down, m, down_segs, {h.row(e)}, {out.data_ptr<float>() + e * d});
   }
-  run(isa, down);
+  run(path, down);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -490,7 +817,7 @@ at::Tensor swiglu_int4_rows(const at::Tensor& x, at::TensorList tokens, at::Tens
                             at::IntArrayRef layout, int64_t isa_code) {
   RECORD_FUNCTION("edge0::int4_gemv", std::vector<c10::IValue>());
   TORCH_CHECK(x.dim() == 2, "x must be [T, D], got ", x.sizes());
-  const Isa isa = checked(isa_code);
+  const Path path = checked(isa_code);
   const int64_t n_exp = static_cast<int64_t>(w13.size()), t = x.size(0), d = x.size(1);
   TORCH_CHECK(tokens.size() == w13.size() && p13.size() == w13.size() &&
                   w2.size() == w13.size() && p2.size() == w13.size(),
@@ -505,7 +832,7 @@ at::Tensor swiglu_int4_rows(const at::Tensor& x, at::TensorList tokens, at::Tens
       TORCH_CHECK(p[i] >= 0 && p[i] < t, "token ", p[i], " is not a row of x [", t, ", D]");
     rows += tk.numel();
   }
-  const std::vector<float> xb = rounded(x);
+  const Acts xa(x, path.int8);
   const int64_t width = n_exp ? w13[0].size(0) / 2 : 0;
   at::Tensor gate_up = at::empty({rows, 2 * width}, x.options().dtype(at::kFloat));
   at::Tensor out = at::empty({rows, d}, x.options().dtype(at::kFloat));
@@ -516,35 +843,36 @@ at::Tensor swiglu_int4_rows(const at::Tensor& x, at::TensorList tokens, at::Tens
     const Matrix m = matrix(w13[e], p13[e], d);
     TORCH_CHECK(m.n == 2 * width, "the experts of one call share their width");
     const int64_t* p = idx[e].data_ptr<int64_t>();
-    std::vector<const float*> xs;
+    std::vector<Row> xs;
     std::vector<float*> ys;
     for (int64_t i = 0; i < idx[e].numel(); ++i, ++r) {
-      xs.push_back(xb.data() + p[i] * d);
+      xs.push_back(xa.row(p[i]));
       ys.push_back(gate_up.data_ptr<float>() + r * 2 * width);
     }
-    add_rows(isa, up, m, up_segs, xs, ys);
+    add_rows(path, up, m, up_segs, xs, ys);
   }
-  run(isa, up);
+  run(path, up);
   const auto halves = gate_up.chunk(2, -1);
-  const std::vector<float> h = rounded(at::silu(halves[0]) * halves[1]);  // [R, I]
+  const Acts h(at::silu(halves[0]) * halves[1], path.int8);  // [R, I]
   r = 0;
   for (int64_t e = 0; e < n_exp; ++e) {
     const Matrix m = matrix(w2[e], p2[e], width);
     TORCH_CHECK(m.n == d, "w2 must give ", d, " outputs");
-    std::vector<const float*> xs;
+    std::vector<Row> xs;
     std::vector<float*> ys;
     for (int64_t i = 0; i < idx[e].numel(); ++i, ++r) {
-      xs.push_back(h.data() + r * width);
+      xs.push_back(h.row(r));
       ys.push_back(out.data_ptr<float>() + r * d);
     }
-    add_rows(isa, down, m, down_segs, xs, ys);
+    add_rows(path, down, m, down_segs, xs, ys);
   }
-  run(isa, down);
+  run(path, down);
   return out;
 }
 
 bool isa_supported(int64_t isa) {
-  return isa >= kPortable && isa <= kAvx512 && supported(static_cast<Isa>(isa));
+  const int64_t base = isa >= kInt8Flag ? isa - kInt8Flag : isa;
+  return base >= kPortable && base <= kAvx512 && supported(static_cast<Isa>(base));
 }
 
 }  // namespace
@@ -556,24 +884,24 @@ std::vector<at::Tensor> int4_gemv_each(const at::Tensor& x, at::TensorList packe
                                        int64_t isa_code) {
   // its own row in a profile, also when another native op calls it
   RECORD_FUNCTION("edge0::int4_gemv", std::vector<c10::IValue>());
-  const Isa isa = checked(isa_code);
+  const Path path = checked(isa_code);
   TORCH_CHECK(packed.size() == pairs.size(), "one pairs tensor per packed matrix");
   const int64_t k = x.size(-1), rows = k ? x.numel() / k : 0;
-  const std::vector<float> xb = rounded(x);
+  const Acts xa(x, path.int8);
   std::vector<at::Tensor> outs;
   std::vector<Job> jobs;
   for (size_t i = 0; i < packed.size(); ++i) {
     const Matrix m = matrix(packed[i], pairs[i], k);
     outs.push_back(at::empty({rows, m.n}, x.options().dtype(at::kFloat)));
-    std::vector<const float*> xs;
+    std::vector<Row> xs;
     std::vector<float*> ys;
     for (int64_t r = 0; r < rows; ++r) {
-      xs.push_back(xb.data() + r * k);
+      xs.push_back(xa.row(r));
       ys.push_back(outs.back().data_ptr<float>() + r * m.n);
     }
-    add_rows(isa, jobs, m, segments(m.n, layout), xs, ys);
+    add_rows(path, jobs, m, segments(m.n, layout), xs, ys);
   }
-  run(isa, jobs);
+  run(path, jobs);
   for (at::Tensor& out : outs) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
     shape.push_back(out.size(1));

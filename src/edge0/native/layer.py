@@ -112,13 +112,13 @@ class NativeLayer:
     """A decoder layer's stand-in at decode: one token of one sequence, in fp32 or bf16 (the
     layer's weights in its dtype), through the op; anything else through the layer itself."""
 
-    def __init__(self, layer: DecoderLayer, ops: tuple[Callable, ...], lanes: int):
+    def __init__(self, layer: DecoderLayer, ops: tuple[Callable, ...], lanes: int, int8: bool):
         self.layer, self.lanes = layer, lanes
         self.op, self.combine, router_topk, softmax_topk = ops
         block = layer.mlp_block
         softmax = layer.is_moe and type(block.selector) is SoftmaxTopK
         self.route = NativeRoute(block, router_topk, softmax_topk) if softmax else None
-        self.layout, self.isa = native.kernel_args()
+        self.layout, self.isa = native.kernel_args(int8)
         a = self.mixer = layer.mixer
         self.mlp, self.is_moe = block, layer.is_moe
         self.eps = a.q_norm.eps if a.qk_norm == "head" else 0.0
@@ -174,9 +174,10 @@ class NativeLayer:
         return self.combine(routed, weights, x, shared, self.lanes)
 
 
-def native_layers(model: nn.Module, cache_dir=None) -> dict[int, NativeLayer]:
+def native_layers(model: nn.Module, cache_dir=None, int8: bool = False) -> dict[int, NativeLayer]:
     """The stand-in for every decoder layer the op serves, by layer index (none where the
-    float sums' order could not be matched here: see native.sum_lanes)."""
+    float sums' order could not be matched here: see native.sum_lanes); `int8`: its int4
+    projections through the int8-activation kernel."""
     lanes = native.sum_lanes(cache_dir)
     if lanes is None:
         return {}
@@ -187,7 +188,7 @@ def native_layers(model: nn.Module, cache_dir=None) -> dict[int, NativeLayer]:
         native.softmax_topk(cache_dir),
     )
     return {
-        i: NativeLayer(layer, ops, lanes)
+        i: NativeLayer(layer, ops, lanes, int8)
         for i, layer in enumerate(model.backbone.layers)
         if servable(layer)
     }

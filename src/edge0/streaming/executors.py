@@ -125,15 +125,16 @@ def row_experts(decode: DecodeExperts, cache_dir: Path | None = None) -> RowExpe
     return RowExperts(native.swiglu_int4_rows(cache_dir), decode.layout, decode.isa)
 
 
-def decode_experts(kernel: str, cache_dir: Path | None = None) -> DecodeExperts:
+def decode_experts(kernel: str, cache_dir: Path | None = None, int8: bool = False) -> DecodeExperts:
     """The decode compute that EngineOptions.expert_kernel names ("auto": fused where the
-    native op builds, else torch, with a warning saying why)."""
+    native op builds, else torch, with a warning saying why); `int8`: the native op's
+    int8-activation kernel (EngineOptions.int4_activations)."""
     if kernel not in EXPERT_KERNELS:
         raise ValueError(f"expert_kernel must be one of {', '.join(EXPERT_KERNELS)}: {kernel!r}")
     if kernel == "torch":
         return torch_experts
     try:
-        return FusedExperts(native.swiglu_int4_gemv(cache_dir), *native.kernel_args())
+        return FusedExperts(native.swiglu_int4_gemv(cache_dir), *native.kernel_args(int8))
     except native.NativeUnavailable as e:
         if kernel == "fused":
             raise
