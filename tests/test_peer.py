@@ -43,7 +43,8 @@ def test_caps_are_fractions_of_the_int4_experts_or_sizes():
 
 
 def test_prerouter_run_only_when_there_are_heads(tmp_path):
-    assert peer.engines_for(tmp_path, None) == ["llama.cpp", "llama.cpp-mmap", "edge0-ondemand"]
+    engines = ["llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-int8"]
+    assert peer.engines_for(tmp_path, None) == engines
     (tmp_path / "prerouter.safetensors").write_bytes(b"")
     assert peer.engines_for(tmp_path, None)[-1] == "edge0-prerouter"
     assert peer.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]

@@ -28,7 +28,7 @@ from edge0.cli_args import (
 from edge0.cli_train import add_eval_parser, add_train_parsers
 from edge0.int4_layout import LAYOUTS
 from edge0.native import NativeUnavailable
-from edge0.options import DEFAULT_IO_MODE
+from edge0.options import DEFAULT_IO_MODE, INT4_ACTIVATIONS, EngineOptions
 from edge0.plan import RUNTIME_RESERVE
 from edge0.store.expert_file import IO_MODES
 
@@ -110,7 +110,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.profile:
         from edge0.bench import profile
 
-        row = profile.measure(args.model_dir or default_model_dir(), tokens=args.tokens)
+        opts = EngineOptions(io_mode="buffered", int4_activations=args.int4_activations)
+        row = profile.measure(args.model_dir or default_model_dir(), args.tokens, options=opts)
         print(profile.report(row))
         if args.json:
             Path(args.json).write_text(json.dumps(row, indent=2) + "\n")
@@ -400,6 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         action="store_true",
         help="profile --tokens decode steps with every expert in memory: time per kind of op",
+    )
+    b.add_argument(
+        "--int4-activations",
+        choices=INT4_ACTIVATIONS,
+        default=EngineOptions.int4_activations,
+        help="--profile: the native int4 kernels' activations (as generate's option; the "
+        "arms take +int8 or +bf16)",
     )
     b.add_argument(
         "--io",

@@ -115,9 +115,9 @@ def resolve_caps(specs: tuple[str, ...], expert_bytes: int) -> list[tuple[str, i
 
 
 def engines_for(edge0_dir: Path, prerouter: Path | None) -> list[str]:
-    """llama.cpp as shipped and without repacking, edge0 on demand, and edge0 with its
-    prerouter too when there are heads."""
-    engines = ["llama.cpp", "llama.cpp-mmap", "edge0-ondemand"]
+    """llama.cpp as shipped and without repacking, edge0 on demand (bf16 and int8
+    activations), and edge0 with its prerouter too when there are heads."""
+    engines = ["llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-int8"]
     if prerouter is not None or (edge0_dir / modeldir.PREROUTER_FILE).is_file():
         engines.append("edge0-prerouter")
     assert set(engines) <= set(ENGINES)
@@ -227,7 +227,7 @@ def run_peer(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> dict:
                 memory_budget=cap - cfg.runtime_reserve,
                 max_context=n_ctx,
                 prerouter=cfg.prerouter,
-                no_prerouter=engine == "edge0-ondemand",
+                no_prerouter=engine in ("edge0-ondemand", "edge0-int8"),
             )
             try:
                 plan_for_dir(models.edge0, opts)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 # llama.cpp as shipped repacks Q4_0 weights into anonymous memory at load (CPU_REPACK);
 # llama.cpp-mmap (the CLI's --no-repack) computes from the mapped file, so it can page
-ENGINES = ("llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-prerouter")
+# edge0-int8: on demand, the int4 kernels on int8 activations (as llama.cpp runs Q4_0)
+ENGINES = ("llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-int8", "edge0-prerouter")
 
 
 def status_bytes(fields: tuple[str, ...] = ("RssAnon", "RssFile", "VmHWM")) -> dict[str, int]:
@@ -97,7 +98,8 @@ def edge0_steps(spec: dict):
         io_mode=spec["io_mode"],
         max_context=spec["n_ctx"],
         prerouter=Path(spec["prerouter"]) if spec["prerouter"] else None,
-        no_prerouter=spec["engine"] == "edge0-ondemand",
+        no_prerouter=spec["engine"] in ("edge0-ondemand", "edge0-int8"),
+        int4_activations="int8" if spec["engine"] == "edge0-int8" else "bf16",
     )
     engine = load_engine(spec["model"], opts)
     try:

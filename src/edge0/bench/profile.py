@@ -100,6 +100,7 @@ def measure(model_dir: Path, tokens: int = 16, warmup: int = 4, options=None) ->
             "tokens": tokens,
             "threads": torch.get_num_threads(),
             "capability": torch.backends.cpu.get_cpu_capability(),
+            "int4_activations": engine.options.int4_activations,
             "step_ms": wall_ms,
             "step_ms_median": 1e3 * statistics.median(steps),
             "unprofiled_step_ms_median": 1e3 * statistics.median(plain),
@@ -114,7 +115,8 @@ def measure(model_dir: Path, tokens: int = 16, warmup: int = 4, options=None) ->
 def report(r: dict) -> str:
     lines = [
         f"{r['model']}: {r['tokens']} profiled decode steps, torch {torch.__version__}, "
-        f"capability {r['capability']}, {r['threads']} threads; every expert in the pool",
+        f"capability {r['capability']}, {r['threads']} threads, int4 kernels on "
+        f"{r['int4_activations']} activations; every expert in the pool",
         f"step {r['unprofiled_step_ms_median']:.1f} ms unprofiled (median), "
         f"{r['step_ms']:.1f} ms profiled; {r['op_calls_per_step']:.0f} op calls per step; "
         f"matmul kernels {r['matmul_ms']:.1f} ms; unprofiled step / matmuls = "
