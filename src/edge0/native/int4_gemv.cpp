@@ -559,38 +559,31 @@ bool int8_avx512() {
 #endif
 }
 
-template <int R>
-void q8_rows(Isa isa, const Matrix& m, const Segment& s, int64_t b0, const Row* x, float* acc) {
-#ifdef EDGE0_X86
-  if (isa == kAvx512) {
-    s.block == 64 ? q8_avx512<2, R>(m, s, b0, x, acc) : q8_avx512<1, R>(m, s, b0, x, acc);
-  } else if (isa == kAvx2) {
-    s.block == 64 ? q8_avx2<2, R>(m, s, b0, x, acc) : q8_avx2<1, R>(m, s, b0, x, acc);
-  } else {
-    q8_portable<R>(m, s, b0, x, acc);
-  }
-#else
-  q8_portable<R>(m, s, b0, x, acc);
-#endif
-}
-
 // Rows of activations one block kernel call takes at once (the weights decoded once for all).
 constexpr int kRows = 4;
 
+// A block for R rows on the path's kernel: exact (block_*) or int8 (q8_*).
 template <int R>
-void block_rows(Isa isa, const Matrix& m, const Segment& s, int64_t b0, const Row* x,
+void block_rows(Path path, const Matrix& m, const Segment& s, int64_t b0, const Row* x,
                 float* acc) {
+  const bool wide = s.block == 64;
 #ifdef EDGE0_X86
-  if (isa == kAvx512) {
-    s.block == 64 ? block_avx512<4, R>(m, s, b0, x, acc) : block_avx512<2, R>(m, s, b0, x, acc);
-  } else if (isa == kAvx2) {
-    s.block == 64 ? block_avx2<8, R>(m, s, b0, x, acc) : block_avx2<4, R>(m, s, b0, x, acc);
-  } else {
-    block_portable<R>(m, s, b0, x, acc);
+  if (path.isa == kAvx512) {
+    if (path.int8)
+      wide ? q8_avx512<2, R>(m, s, b0, x, acc) : q8_avx512<1, R>(m, s, b0, x, acc);
+    else
+      wide ? block_avx512<4, R>(m, s, b0, x, acc) : block_avx512<2, R>(m, s, b0, x, acc);
+    return;
   }
-#else
-  block_portable<R>(m, s, b0, x, acc);
+  if (path.isa == kAvx2) {
+    if (path.int8)
+      wide ? q8_avx2<2, R>(m, s, b0, x, acc) : q8_avx2<1, R>(m, s, b0, x, acc);
+    else
+      wide ? block_avx2<8, R>(m, s, b0, x, acc) : block_avx2<4, R>(m, s, b0, x, acc);
+    return;
+  }
 #endif
+  path.int8 ? q8_portable<R>(m, s, b0, x, acc) : block_portable<R>(m, s, b0, x, acc);
 }
 
 // Rows one AVX-512 job takes: from kTiledFrom of them, its path decodes each group's weights
@@ -604,21 +597,8 @@ constexpr int kTiledFrom = 9;
 void block(Path path, const Matrix& m, const Segment& s, int64_t b0, const Row* x,
            float* const* y, int rows) {
   alignas(64) float acc[kTile * 64];
-  const Isa isa = path.isa;
-  if (path.int8) {
-    for (int r0 = 0; r0 < rows; r0 += kRows) {
-      const Row* xr = x + r0;
-      float* a = acc + r0 * 64;
-      switch (rows - r0) {
-        case 1: q8_rows<1>(isa, m, s, b0, xr, a); break;
-        case 2: q8_rows<2>(isa, m, s, b0, xr, a); break;
-        case 3: q8_rows<3>(isa, m, s, b0, xr, a); break;
-        default: q8_rows<4>(isa, m, s, b0, xr, a); break;
-      }
-    }
-  } else
 #ifdef EDGE0_X86
-  if (isa == kAvx512 && rows >= kTiledFrom) {
+  if (!path.int8 && path.isa == kAvx512 && rows >= kTiledFrom) {
     s.block == 64 ? tiled_avx512<4>(m, s, b0, x, acc, rows)
                   : tiled_avx512<2>(m, s, b0, x, acc, rows);
   } else
@@ -627,10 +607,10 @@ void block(Path path, const Matrix& m, const Segment& s, int64_t b0, const Row* 
       const Row* xr = x + r0;
       float* a = acc + r0 * 64;
       switch (rows - r0) {
-        case 1: block_rows<1>(isa, m, s, b0, xr, a); break;
-        case 2: block_rows<2>(isa, m, s, b0, xr, a); break;
-        case 3: block_rows<3>(isa, m, s, b0, xr, a); break;
-        default: block_rows<4>(isa, m, s, b0, xr, a); break;
+        case 1: block_rows<1>(path, m, s, b0, xr, a); break;
+        case 2: block_rows<2>(path, m, s, b0, xr, a); break;
+        case 3: block_rows<3>(path, m, s, b0, xr, a); break;
+        default: block_rows<4>(path, m, s, b0, xr, a); break;
       }
     }
   for (int r = 0; r < rows; ++r)
