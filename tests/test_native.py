@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -522,8 +523,26 @@ def test_kernel_choice_is_checked():
 
 @pytest.mark.slow
 def test_the_op_compiles_from_source_into_an_empty_cache(tmp_path):
-    """What `make`'s set-up does on a new machine (CI's cache may already hold a build)."""
-    path = native.build(tmp_path)
+    """What `make`'s set-up does on a new machine (CI's cache may already hold a build),
+    after a build that was killed while it compiled (its work folder keeps torch's lock file,
+    which made every later build wait for ever while the folder was shared)."""
+    path = native.library_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "edge0.native", "--compile-into", str(path)], env=env
+    )
+    deadline = time.monotonic() + 120
+    while not list(path.parent.glob("*/lock")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait()
+    assert list(path.parent.glob("*/lock")) and not path.exists()  # killed while it built
+    # set-up's build, in a process of its own so that a wait for the dead build's lock fails
+    setup = [sys.executable, "-m", "edge0.native", "--cache-dir", str(tmp_path)]
+    done = subprocess.run(setup, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "native decode kernels ready" in done.stdout, done.stdout
+    assert native.build(tmp_path) == path
     assert path == native.library_path(tmp_path) and path.stat().st_size > 0
     # loaded in a fresh process (this one has the cached build's op registered already)
     check = (

@@ -40,8 +40,10 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -129,22 +131,26 @@ def build(cache_dir: Path | None = None) -> Path:
 def compile_into(path: Path) -> None:
     """The child process's half of build(): compile SOURCES into `path`.
 
-    The library is linked in a work folder and renamed into place, so a process that finds
-    `path` never loads a half-written file.
+    The library is linked in a work folder of this call's own and renamed into place, so a
+    process that finds `path` never loads a half-written file. The folder is not shared:
+    torch's builder takes a lock file in it and waits, without end, while one exists, so a
+    build killed in a shared folder (Ctrl-C at the first start) would hang every later one.
     """
     from torch.utils import cpp_extension
 
-    work = path.parent / "build"
-    work.mkdir(exist_ok=True)
-    built = cpp_extension.load(
-        name=path.stem,
-        sources=[str(src) for src in SOURCES],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
-        build_directory=str(work),
-        is_python_module=False,
-    )
-    os.replace(built, path)
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=path.parent))
+    try:
+        built = cpp_extension.load(
+            name=path.stem,
+            sources=[str(src) for src in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(work),
+            is_python_module=False,
+        )
+        os.replace(built, path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _registered() -> bool:
