@@ -37,9 +37,9 @@
 #include "int4_gemv.h"
 #include "norms.h"
 
-#include <cstdint>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -164,7 +164,6 @@ void block_portable(const Matrix& m, const Segment& s, int64_t b0, const Row* x,
     }
   }
 }
-
 
 // The int8 paths. Each row's activations are int8 codes with a scale per group of 64
 // inputs (quantize_row), and every path computes the same sums: per group g and output row,
@@ -851,8 +850,7 @@ at::Tensor swiglu_int4_rows(const at::Tensor& x, at::TensorList tokens, at::Tens
 }
 
 bool isa_supported(int64_t isa) {
-  const int64_t base = isa >= kInt8Flag ? isa - kInt8Flag : isa;
-  return base >= kPortable && base <= kAvx512 && supported(static_cast<Isa>(base));
+  return isa >= kPortable && isa <= kAvx512 && supported(static_cast<Isa>(isa));
 }
 
 }  // namespace
