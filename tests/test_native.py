@@ -206,6 +206,23 @@ def test_the_int8_kernels_are_their_reference_bit_for_bit(dtype):
     assert got[1].isnan().all() and not got[[0, 2, 3]].isnan().any()
 
 
+def test_fake_quantized_activations_price_what_the_int8_kernels_compute():
+    """edge0 eval's int8 arm multiplies the dequantized weights by the activations as the
+    int8 kernels quantize them; that is their reference's product up to float sums and its
+    bf16 rounding, and farther from the float product than bf16 activations are."""
+    gen = torch.Generator().manual_seed(11)
+    q, packed, pairs = int4_weights(256, 512, gen)
+    w = int4_layout.host_layout().dequantize(packed, pairs, 256, 512)
+    x = torch.randn(5, 512, generator=gen) * 3
+    want = quant.int4_linear_int8(x, q, pairs).float()
+    got = quant.fake_quantize_activations(x) @ w.T
+    assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
+    exact = x @ w.T
+    bf16 = x.bfloat16().float() @ w.T
+    assert (got - exact).norm() > 1.2 * (bf16 - exact).norm()
+    assert (got - exact).norm() / exact.norm() < 1e-2
+
+
 def swiglu_int8(x: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor], t: ExpertTensors):
     """One expert on its tokens as the int8 kernels compute it (the reference of the native
     experts' int8 path): x [n, D] -> fp32 [n, D]."""

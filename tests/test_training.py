@@ -278,12 +278,19 @@ def test_eval_prices_an_int4_floor_for_a_model_that_keeps_it_in_bf16(pipeline, t
         pipeline["tmp"] / "e0", dataclasses.replace(cfg, int4_floor=False), progress=False
     )
     assert int4["arms"][1]["perplexity"] == pytest.approx(arms[2]["perplexity"], rel=1e-6)
-    # the CLI can leave the arm out (it converts the whole teacher)
+    # int8 activations cost a little, next to what int4 costs
+    int8 = next(r for r in arms if r["arm"].startswith("+ int8 activations"))
+    assert int8["kl_teacher_arm"] != arms[1]["kl_teacher_arm"]
+    assert abs(int8["kl_teacher_arm"] - arms[1]["kl_teacher_arm"]) < 0.5 * arms[1]["kl_teacher_arm"]
+    assert int8["top1_agreement"] > 0.9
+    # the CLI can leave the arms out (the floor's converts the whole teacher)
     args = ["eval", str(tmp_path / "bf16"), "--teacher", str(pipeline["tmp"] / "teacher")]
     args += ["--data", *map(str, pipeline["data"]), "--windows", "2", "--seq-len", "64"]
-    assert cli.main([*args, "--no-int4-floor", "--json", str(tmp_path / "e.json"), "--quiet"]) == 0
+    args += ["--no-int4-floor", "--no-int8-activations"]
+    assert cli.main([*args, "--json", str(tmp_path / "e.json"), "--quiet"]) == 0
     labels = [r["arm"] for r in json.loads((tmp_path / "e.json").read_text())["arms"]]
-    assert labels[1].startswith("int4, native routing") and not any("floor" in a for a in labels)
+    assert labels[1].startswith("int4, native routing")
+    assert not any("floor" in a or "int8" in a for a in labels)
 
 
 def test_the_held_out_split_of_data_files_does_not_depend_on_where_they_live(tmp_path):

@@ -313,6 +313,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         lora_sft=args.lora_sft,
         lora_opd=args.lora,
         int4_floor=not args.no_int4_floor,
+        int8_activations=not args.no_int8_activations,
     )
     result = evaluate.evaluate(model_dir, cfg, progress=not args.quiet)
     print(evaluate.table(result))
@@ -346,6 +347,11 @@ def add_eval_parser(sub) -> None:
         action="store_true",
         help="skip the '+ int4 floor' arm of a bf16-floor model (it converts the teacher into "
         "a scratch folder: the teacher's size in disk and time)",
+    )
+    e.add_argument(
+        "--no-int8-activations",
+        action="store_true",
+        help="skip the '+ int8 activations' arm (what --int4-activations int8 costs)",
     )
     e.add_argument("--json", type=Path, default=None)
     e.add_argument("--quiet", action="store_true")

@@ -6,6 +6,9 @@ Arms (each adds one thing to the one above it):
   + int4 floor         ... and the resident floor in int4 as well (what `edge0 convert` writes
                        by default), when MODEL_DIR keeps its floor in bf16: the teacher is
                        converted into a scratch folder for it
+  + int8 activations   ... with every routed expert's and (int4 floor) attention projection's
+                       inputs quantized as `--int4-activations int8` quantizes them, per group
+                       of 64 (quant.fake_quantize_activations); `int8_activations=False` skips it
   int4 served K        ... serving K experts per token
   + prerouter          ... consumer layers routed by the heads' predictions
   + LoRA (phase 2)     ... with the SFT adapter
@@ -34,8 +37,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from edge0 import lora, modeldir
+from edge0 import lora, modeldir, quant
 from edge0.convert import convert
+from edge0.models.experts import ResidentExperts
+from edge0.models.layers import Attention
 from edge0.plan import resolve_top_k
 from edge0.tokenizer import load_tokenizer
 from edge0.train import common
@@ -54,6 +59,7 @@ class EvalConfig:
     lora_opd: Path | None = None
     stage_widths: tuple[int, ...] | None = None  # W > K arms (None: 1.5K and 2K)
     int4_floor: bool = True  # price an int4 resident floor when MODEL_DIR's is bf16
+    int8_activations: bool = True  # price --int4-activations int8 at native K
 
 
 def default_paths(model_dir: Path, cfg: EvalConfig) -> EvalConfig:
@@ -84,6 +90,10 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
     ]
     if cfg.int4_floor and floor != "int4":
         out.append((f"+ int4 floor, native K={native.top_k}", _int4_floor(cfg)))
+    if cfg.int8_activations:
+        int8 = load_student(model_dir, top_k=manifest.native_top_k, heads=False)
+        int8_activations(int8.model, attention=floor == "int4")
+        out.append((f"+ int8 activations, native K={native.top_k}", lambda t: int8.forward(t, 1)))
     served_k = resolve_top_k(cfg.top_k, manifest.served_top_k, manifest.native_top_k)
     if served_k != native.top_k:
         served = load_student(model_dir, top_k=served_k, heads=False)
@@ -102,6 +112,21 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
             if opd is not None:  # the same phase-3 model, routed at W
                 out.append((f"W={w}: + phase 3", _wide(opd, w)))
     return out
+
+
+def int8_activations(model: torch.nn.Module, attention: bool) -> None:
+    """Quantize what the engine's int8 kernels take as int8 (`--int4-activations int8`): the
+    inputs of every routed expert's projections and, with `attention` (an int4 floor, which
+    the native layer op computes), of the attention projections. The rest (a shared expert,
+    a dense MLP, the LM head) the engine computes with bf16 activations, as here."""
+    for m in model.modules():
+        if isinstance(m, ResidentExperts):
+            m.inputs = quant.fake_quantize_activations
+        elif attention and isinstance(m, Attention):
+            for p in (m.q_proj, m.k_proj, m.v_proj, m.o_proj):
+                p.register_forward_pre_hook(
+                    lambda _m, args: (quant.fake_quantize_activations(args[0]), *args[1:])
+                )
 
 
 def _int4_floor(cfg: EvalConfig):

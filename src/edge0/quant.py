@@ -87,6 +87,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(g * inv[..., None]).clamp_(-127, 127), a / 127.0
 
 
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the int8 kernels see it, back in x's dtype: each group's codes times its
+    scale (quantize_activations). A float matmul with it prices the int8 activations (edge0
+    eval) up to the order of float sums, not the kernels' bits (int4_linear_int8)."""
+    xq, d = quantize_activations(x.reshape(-1, x.shape[-1]))
+    return (xq * d[..., None]).reshape(x.shape).to(x.dtype)
+
+
 def int4_linear_int8(x: torch.Tensor, codes: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     """The reference of the native int8-activation kernels (native/int4_gemv.cpp): y = x @ W.T
     for W [N, K] = (codes - 8) * scale + zero (codes uint8 [N, K] unpacked, pairs the kernel's

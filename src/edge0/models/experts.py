@@ -27,10 +27,14 @@ class Executor(Protocol):
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor: ...
 
 
-def swiglu_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x) with float weights w13 [2I, D] (gate rows first), w2 [D, I]."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+def swiglu_dense(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, inputs: Callable | None = None
+) -> torch.Tensor:
+    """down(silu(gate x) * up x) with float weights w13 [2I, D] (gate rows first), w2 [D, I];
+    `inputs`, if given, is applied to both projections' inputs first."""
+    inputs = inputs or (lambda t: t)
+    gate, up = F.linear(inputs(x), w13).chunk(2, dim=-1)
+    return F.linear(inputs(F.silu(gate) * up), w2)
 
 
 def sorted_rows(x: torch.Tensor, k: int, order: torch.Tensor) -> torch.Tensor:
@@ -108,9 +112,16 @@ class ResidentExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        # what both projections' inputs go through first, if anything (edge0 eval's int8
+        # activations arm: quant.fake_quantize_activations)
+        self.inputs: Callable | None = None
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.gate_up_proj, self.down_proj
+        if self.inputs is not None:
+            return for_each_expert(
+                x, indices, lambda e, xs: swiglu_dense(xs, w13[e], w2[e], self.inputs)
+            )
         if _grouped_mm_aligned(x, w13, w2):
             return grouped_swiglu(x, indices, w13, w2)
         return for_each_expert(x, indices, lambda e, xs: swiglu_dense(xs, w13[e], w2[e]))
