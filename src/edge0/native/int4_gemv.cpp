@@ -565,8 +565,8 @@ constexpr int kRows = 4;
 template <int R>
 void block_rows(Path path, const Matrix& m, const Segment& s, int64_t b0, const Row* x,
                 float* acc) {
-  const bool wide = s.block == 64;
 #ifdef EDGE0_X86
+  const bool wide = s.block == 64;
   if (path.isa == kAvx512) {
     if (path.int8)
       wide ? q8_avx512<2, R>(m, s, b0, x, acc) : q8_avx512<1, R>(m, s, b0, x, acc);
