@@ -6,9 +6,10 @@ Arms (each adds one thing to the one above it):
   + int4 floor         ... and the resident floor in int4 as well (what `edge0 convert` writes
                        by default), when MODEL_DIR keeps its floor in bf16: the teacher is
                        converted into a scratch folder for it
-  + int8 activations   ... with every routed expert's and (int4 floor) attention projection's
-                       inputs quantized as `--int4-activations int8` quantizes them, per group
-                       of 64 (quant.fake_quantize_activations); `int8_activations=False` skips it
+  int8 activations     the "int4 native K" arm again (not the floor arm's), with every routed
+                       expert's and (int4 floor) attention projection's inputs quantized as
+                       `--int4-activations int8` quantizes them, per group of 64
+                       (quant.fake_quantize_activations); `int8_activations=False` skips it
   int4 served K        ... serving K experts per token
   + prerouter          ... consumer layers routed by the heads' predictions
   + LoRA (phase 2)     ... with the SFT adapter
@@ -93,7 +94,8 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
     if cfg.int8_activations:
         int8 = load_student(model_dir, top_k=manifest.native_top_k, heads=False)
         int8_activations(int8.model, attention=floor == "int4")
-        out.append((f"+ int8 activations, native K={native.top_k}", lambda t: int8.forward(t, 1)))
+        label = f"int4, native routing, native K={native.top_k}, int8 activations"
+        out.append((label, lambda t: int8.forward(t, 1)))
     served_k = resolve_top_k(cfg.top_k, manifest.served_top_k, manifest.native_top_k)
     if served_k != native.top_k:
         served = load_student(model_dir, top_k=served_k, heads=False)
