@@ -278,11 +278,14 @@ def test_eval_prices_an_int4_floor_for_a_model_that_keeps_it_in_bf16(pipeline, t
         pipeline["tmp"] / "e0", dataclasses.replace(cfg, int4_floor=False), progress=False
     )
     assert int4["arms"][1]["perplexity"] == pytest.approx(arms[2]["perplexity"], rel=1e-6)
-    # int8 activations cost a little, next to what int4 costs
-    int8 = next(r for r in arms if r["arm"].endswith("int8 activations"))
-    assert int8["kl_teacher_arm"] != arms[1]["kl_teacher_arm"]
-    assert abs(int8["kl_teacher_arm"] - arms[1]["kl_teacher_arm"]) < 0.5 * arms[1]["kl_teacher_arm"]
-    assert int8["top1_agreement"] > 0.9
+    # int8 activations cost a little, next to what int4 costs: on the experts alone (a bf16
+    # floor) and on the experts and attention (an int4 floor)
+    for result in (arms, int4["arms"]):
+        int8 = next(r for r in result if r["arm"].endswith("int8 activations"))
+        base = result[1]["kl_teacher_arm"]
+        assert int8["kl_teacher_arm"] != base
+        assert abs(int8["kl_teacher_arm"] - base) < 0.5 * base
+        assert abs(int8["top1_agreement"] - result[1]["top1_agreement"]) < 0.03
     # the CLI can leave the arms out (the floor's converts the whole teacher)
     args = ["eval", str(tmp_path / "bf16"), "--teacher", str(pipeline["tmp"] / "teacher")]
     args += ["--data", *map(str, pipeline["data"]), "--windows", "2", "--seq-len", "64"]

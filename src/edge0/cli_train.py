@@ -351,7 +351,7 @@ def add_eval_parser(sub) -> None:
     e.add_argument(
         "--no-int8-activations",
         action="store_true",
-        help="skip the '+ int8 activations' arm (what --int4-activations int8 costs)",
+        help="skip the int8-activations arm (what --int4-activations int8 costs)",
     )
     e.add_argument("--json", type=Path, default=None)
     e.add_argument("--quiet", action="store_true")
