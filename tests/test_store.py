@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -239,3 +240,37 @@ def test_a_peek_gives_loaded_experts_unpinned_and_keeps_them_recent(tmp_path):
     pool.wait(pool.request(0, [3]))  # evicts the least recently used: 1, not the peeked
     assert (0, 1) not in pool._entries and {(0, 0), (0, 2)} <= set(pool._entries)
     pool.close()
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(a, 16) for a in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@pytest.mark.skipif(
+    not os.path.exists(THP) or "[never]" in open(THP).read(),
+    reason="no transparent huge pages on this kernel",
+)
+def test_the_pool_asks_for_huge_pages(tmp_path):
+    layout, _ = write_extents(tmp_path / "x.safetensors")
+    pool = ExpertPool(ExpertFile(tmp_path / "x.safetensors", "buffered"), layout, layout.nbytes * E)
+    try:
+        assert "hg" in vm_flags(pool._slots.data_ptr())  # madvise(MADV_HUGEPAGE) took
+        entries = pool.request(0, list(range(E)))  # and reads still land exactly
+        pool.wait(entries)
+        assert pool.stats.loads == E
+        pool.release(entries)
+    finally:
+        pool.close()
