@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from edge0 import int4_layout, quant
-from edge0.int4_layout import LAYOUTS, KernelLayoutError, host_layout, self_check
+from edge0.int4_layout import LAYOUTS, KernelLayoutError, host_layout, relayout, self_check
 from helpers import capability_env, cpu_capabilities
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
@@ -130,3 +130,23 @@ def test_every_capability_is_detected_and_self_checks():
     # the kernels this CPU runs do not share one arrangement (x86: default vs avx2 at least)
     if len(seen) > 1:
         assert len(set(seen.values())) > 1
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=lambda lay: lay.name)
+def test_the_int8_order_keeps_the_codes_and_the_weights(layout):
+    """An arrangement in its int8 order packs the same codes in other places: they unpack,
+    dequantize and relayout to what the arrangement itself gives, and back."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 96, 192  # blocks of 64 and a tail of 32 for n64-split
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    pairs = torch.randn(k // 64, n, 2, generator=gen).bfloat16()
+    ordered = layout.in_int8_order()
+    assert ordered.int8_order and ordered.in_own_order() == layout
+    packed = ordered.pack(q)
+    assert not torch.equal(packed, layout.pack(q))
+    assert torch.equal(ordered.unpack(packed, n, k), q)
+    assert torch.equal(
+        ordered.dequantize(packed, pairs, n, k), layout.dequantize(layout.pack(q), pairs, n, k)
+    )
+    assert torch.equal(relayout(packed, n, k, ordered, layout), layout.pack(q))
+    assert torch.equal(relayout(layout.pack(q), n, k, layout, ordered), packed)

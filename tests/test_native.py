@@ -161,6 +161,12 @@ def test_the_prefill_experts_are_the_reference_bit_for_bit(dtype, width):
         rows(x, [(torch.tensor([40]), tensors[0])])
 
 
+def arrangements() -> list[int4_layout.Int4Layout]:
+    """Every arrangement the int4 kernels read, each also in its int8 order."""
+    own = list(int4_layout.LAYOUTS.values())
+    return own + [layout.in_int8_order() for layout in own]
+
+
 def int8_paths() -> list[int]:
     """The int8 kernels' codes this CPU runs (their portable, AVX2 and AVX-512 paths)."""
     return [
@@ -189,7 +195,7 @@ def test_the_int8_kernels_are_their_reference_bit_for_bit(dtype):
             if k > 64:
                 x[-1, 64:128] = 0
             want = quant.int4_linear_int8(x, q, pairs).to(dtype)
-            for layout in int4_layout.LAYOUTS.values():
+            for layout in arrangements():
                 for path in paths:
                     got = op(x, layout.pack(q), pairs, native.layout_code(layout), path)
                     assert got.dtype == dtype and torch.equal(got, want), (n, k, rows, path)
@@ -204,6 +210,29 @@ def test_the_int8_kernels_are_their_reference_bit_for_bit(dtype):
     bad[1, 3] = float("nan")
     got = op(bad, packed, pairs, *native.kernel_args(True))
     assert got[1].isnan().all() and not got[[0, 2, 3]].isnan().any()
+
+
+def test_the_int8_order_is_its_reference_and_only_the_int8_paths_read_it():
+    """The native op puts codes in the int8 order exactly as Int4Layout.in_int8_order packs
+    them (every arrangement, blocks of 64 with a tail of 32 too), the order's bytes differ
+    from their own arrangement's, and an exact path refuses them with an error that says so."""
+    gen = torch.Generator().manual_seed(12)
+    reorder = native.int8_order_()
+    for layout in int4_layout.LAYOUTS.values():
+        for n, k in [(96, 64), (256, 1024), (160, 192)]:
+            q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+            ordered = layout.in_int8_order()
+            got = layout.pack(q)
+            reorder(got, native.layout_code(layout))
+            assert torch.equal(got, ordered.pack(q)) and torch.equal(ordered.unpack(got, n, k), q)
+            assert not torch.equal(got, layout.pack(q))
+    q, _, pairs = int4_weights(64, 128, gen)
+    ordered = int4_layout.host_layout().in_int8_order()
+    x = torch.randn(1, 128, generator=gen)
+    with pytest.raises(RuntimeError, match="int8 order are read by the int8 kernels only"):
+        native.int4_gemv()(
+            x, ordered.pack(q), pairs, native.layout_code(ordered), native.kernel_isa()
+        )
 
 
 def test_fake_quantized_activations_price_what_the_int8_kernels_compute():
@@ -250,12 +279,22 @@ def test_the_int8_experts_are_their_reference_bit_for_bit():
             for t, row in enumerate(indices.tolist())
         ]
     )
-    assert torch.equal(fused(x, indices, tensors), want)
     groups = [(torch.nonzero((indices == e).any(-1)).flatten(), e) for e in range(n_exp)]
+    rows_want = torch.cat([swiglu_int8(x[tok], codes[e], tensors[e]) for tok, e in groups])
+    assert torch.equal(fused(x, indices, tensors), want)
     got = row_experts(fused)(x, [(tok, tensors[e]) for tok, e in groups])
-    assert torch.equal(
-        got, torch.cat([swiglu_int8(x[tok], codes[e], tensors[e]) for tok, e in groups])
-    )
+    assert torch.equal(got, rows_want)
+    # the same experts in the int8 order, as the pool holds them for the int8 AVX2 kernel
+    ordered = int4_layout.host_layout().in_int8_order()
+    fused = decode_experts("fused", int8=True, int4=ordered)
+    assert fused.layout == native.layout_code(ordered) and fused.layout[-1] == 1
+    tensors = {
+        e: ExpertTensors(ordered.pack(codes[e][0]), t.p13, ordered.pack(codes[e][1]), t.p2)
+        for e, t in tensors.items()
+    }
+    assert torch.equal(fused(x, indices, tensors), want)
+    got = row_experts(fused)(x, [(tok, tensors[e]) for tok, e in groups])
+    assert torch.equal(got, rows_want)
 
 
 def test_the_engine_decodes_int8_within_its_stated_tolerance():
@@ -290,6 +329,44 @@ def test_the_engine_decodes_int8_within_its_stated_tolerance():
     kl = (a.exp() * (a - b)).sum(-1).mean()
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
     assert kl < 2e-3 and agree >= 0.9, (kl, agree)
+
+
+def test_the_pool_holds_int8_order_where_it_pays_and_decodes_the_same(monkeypatch):
+    """An int8 engine whose pool puts experts in the int8 order as it reads them (where the
+    int8 path is AVX2, or forced here) decodes the built-in model to the same logits, bit for
+    bit, as one that keeps them in the host's arrangement; a bf16 engine, and one whose pool
+    cannot hold every expert, keep them as stored."""
+    runs = {}
+    for ordered in (False, True):
+        monkeypatch.setattr(native, "int8_order_pays", lambda ordered=ordered: ordered)
+        engine = load_engine(
+            builtin.model_dir(), EngineOptions(io_mode="buffered", int4_activations="int8")
+        )
+        try:
+            assert engine.pool.layout.int4.int8_order is ordered
+            assert engine.decode_experts.layout == native.layout_code(engine.pool.layout.int4)
+            with engine.new_request() as req:
+                logits = [engine.prefill(req, engine.tokenizer.encode("def read_config(path):"))]
+                for _ in range(8):
+                    logits.append(engine.step(req, int(logits[-1].argmax())))
+            runs[ordered] = torch.stack(logits)
+        finally:
+            engine.close()
+    assert torch.equal(runs[False], runs[True])
+    engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered"))
+    try:
+        assert not engine.pool.layout.int4.int8_order  # monkeypatched to pay, but bf16
+        experts_bytes = engine.plan.experts_bytes
+    finally:
+        engine.close()
+    small = EngineOptions(
+        io_mode="buffered", int4_activations="int8", expert_cache=experts_bytes // 2
+    )
+    engine = load_engine(builtin.model_dir(), small)
+    try:  # a pool that reads experts again and again keeps them as stored
+        assert not engine.plan.holds_every_expert and not engine.pool.layout.int4.int8_order
+    finally:
+        engine.close()
 
 
 def test_int8_activations_are_checked_and_the_torch_path_is_bf16():

@@ -15,11 +15,17 @@ matching it against these, never from a table of ISAs; an arrangement edge0 does
 is an error, not a guess. `self_check` then runs one small matmul against its dequantized
 reference, so a kernel that computes differently is caught before serving.
 Shape legend: N output rows, K input columns, B rows per block, G = K/64 groups.
+
+Any of them also comes in its *int8 order* (`Int4Layout.in_int8_order`), which only edge0's
+int8-activation kernels read: within a block, each run of 4 columns (4 * B/2 bytes) holds
+byte j of 16-byte chunk c of column i at 64c + 4j + i, so that one load gives the kernel what
+4 loads and 6 unpacks gave it (native/int4_gemv.cpp). Files are never written in it; the
+pool puts an expert in it as it reads it, where decode runs the int8 AVX2 kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +46,15 @@ class Int4Layout:
     block: int
     interleaved: bool = False
     tail: Int4Layout | None = None
+    int8_order: bool = False  # every segment's runs of 4 columns in the int8 kernels' order
+
+    def in_int8_order(self) -> Int4Layout:
+        """This arrangement with its bytes in the int8 order (see the module docstring)."""
+        return replace(self, name=f"{self.name}+int8-order", int8_order=True)
+
+    def in_own_order(self) -> Int4Layout:
+        """The arrangement whose bytes this one reorders (itself if not in the int8 order)."""
+        return replace(self, name=self.name.removesuffix("+int8-order"), int8_order=False)
 
     def segments(self, n: int) -> list[tuple[int, int, int, bool]]:
         """(first row, rows, block, interleaved) of each run of like blocks covering n rows."""
@@ -61,14 +76,20 @@ class Int4Layout:
                 lo, hi = blk[..., 0::2], blk[..., 1::2]
             else:
                 lo, hi = blk[..., : b // 2], blk[..., b // 2 :]
-            parts.append((lo | (hi << 4)).reshape(rows, k // 2))
+            part = (lo | (hi << 4)).reshape(rows, k // 2)
+            parts.append(_int8_order(part, b, k) if self.int8_order else part)
         return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous()
+
+    def _bytes(self, packed: torch.Tensor, first: int, rows: int, b: int, k: int) -> torch.Tensor:
+        """A segment's bytes [rows, K/2] in their own order (the int8 order undone)."""
+        part = packed[first : first + rows]
+        return _own_order(part, b, k) if self.int8_order else part
 
     def unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """Inverse of pack: uint8 [N, K/2] -> q uint8 [N, K]."""
         parts = []
         for first, rows, b, interleaved in self.segments(n):
-            p = packed[first : first + rows].reshape(rows // b, k, b // 2)
+            p = self._bytes(packed, first, rows, b, k).reshape(rows // b, k, b // 2)
             parts.append(_nibbles(p, interleaved).transpose(1, 2).reshape(rows, k))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -84,7 +105,7 @@ class Int4Layout:
         parts = []
         for first, rows, b, interleaved in self.segments(n):
             nb = rows // b
-            p = packed[first : first + rows].view(nb, g, quant.GROUP, b // 2)
+            p = self._bytes(packed, first, rows, b, k).reshape(nb, g, quant.GROUP, b // 2)
             q = _nibbles(p, interleaved).float()  # [N/B, G, 64, B]
             pr = pairs[:, first : first + rows].float().view(g, nb, b, 2).permute(1, 0, 2, 3)
             scale = pr[..., 0].unsqueeze(2).contiguous()  # [N/B, G, 1, B]
@@ -93,6 +114,21 @@ class Int4Layout:
             parts.append(w.permute(1, 2, 0, 3).reshape(k, rows))
         wt = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         return wt.t()
+
+
+def _int8_order(part: torch.Tensor, b: int, k: int) -> torch.Tensor:
+    """A segment's bytes [rows, K/2] (blocks of b rows) -> the int8 order: in each run of 4
+    columns, byte j of chunk c of column i from i * b/2 + 16c + j to 64c + 4j + i."""
+    rows = part.shape[0]
+    runs = part.reshape(rows // b, k // 4, 4, b // 32, 16)  # [blocks, runs, i, c, j]
+    return runs.permute(0, 1, 3, 4, 2).reshape(rows, k // 2)
+
+
+def _own_order(part: torch.Tensor, b: int, k: int) -> torch.Tensor:
+    """Inverse of _int8_order."""
+    rows = part.shape[0]
+    runs = part.reshape(rows // b, k // 4, b // 32, 16, 4)  # [blocks, runs, c, j, i]
+    return runs.permute(0, 1, 4, 2, 3).reshape(rows, k // 2)
 
 
 def _nibbles(p: torch.Tensor, interleaved: bool) -> torch.Tensor:

@@ -6,6 +6,7 @@ they remove is the Python, the dispatch and the dtype round trips between that p
   torch.ops.edge0.swiglu_int4_gemv  a decode token through its K int4 experts in one parallel
                                     region (int4_gemv.cpp; the reference: ~16 ops per expert)
   torch.ops.edge0.int4_gemv         one int4 projection of a few rows
+  torch.ops.edge0.int8_order_       int4 codes put in the int8 kernels' order, in place
   torch.ops.edge0.attention_block   a decode token of one sequence through a decoder layer's
                                     norm, GQA attention, residual and post-attention norm
                                     (decode_ops.cpp; native/layer.py says which layers)
@@ -185,14 +186,24 @@ def kernel_isa() -> int:
 
 
 def layout_code(layout: Int4Layout) -> list[int]:
-    """An arrangement as the ops take it: [block, interleaved, tail block, tail interleaved]."""
+    """An arrangement as the ops take it: [block, interleaved, tail block, tail interleaved],
+    and a fifth code, 1, for one in the int8 order (which only the int8 paths read)."""
     tail = layout.tail
-    return [
+    code = [
         layout.block,
         int(layout.interleaved),
         tail.block if tail else 0,
         int(tail.interleaved) if tail else 0,
     ]
+    return code + [1] if layout.int8_order else code
+
+
+def int8_order_pays() -> bool:
+    """Whether experts should sit in the int8 order where decode runs the int8 kernels: where
+    that path is the AVX2 kernel, whose 4 loads and 6 unpacks per 4 columns the order
+    replaces with 2 loads (a layer's 8 experts 1.10-1.13x faster from memory, docs/kernels.md).
+    The AVX-512 path's one byte permute and the portable loop would gain nothing from it."""
+    return kernel_isa() == 1
 
 
 @functools.cache
@@ -215,6 +226,13 @@ def swiglu_int4_rows(cache_dir: Path | None = None) -> Callable[..., torch.Tenso
     p13s, w2s, p2s, layout, isa) -> fp32 [sum n, D], the experts' rows in order."""
     _load(cache_dir)
     return torch.ops.edge0.swiglu_int4_rows
+
+
+def int8_order_(cache_dir: Path | None = None) -> Callable[..., None]:
+    """The op, built and loaded if need be: (packed uint8 [N, K/2], layout of its own
+    arrangement) puts the codes in that arrangement's int8 order, in place."""
+    _load(cache_dir)
+    return torch.ops.edge0.int8_order_
 
 
 def int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:

@@ -75,23 +75,41 @@ struct Path {
 // One run of like blocks of an arrangement: rows [first, first + rows), blocks of `block`
 // rows, each stored as [K][block / 2] bytes; within a byte column, lane j of the low nibbles
 // and lane j of the high ones are rows (j, j + block/2) split, or (2j, 2j + 1) interleaved.
+// In the int8 order (`int8_order`), each run of 4 columns, 4 * block/2 bytes, has its bytes
+// in the order the int8 kernels take them: byte j of chunk c (16 bytes: c = 0 for blocks of
+// 32 rows, 0 and 1 for 64) of column i (0..3) at 64c + 4j + i, not at i * block/2 + 16c + j
+// (see int8_order below).
 struct Segment {
   int64_t first, rows, block;
   bool interleaved;
+  bool int8_order;
 };
 
+// layout: [block, interleaved, tail block, tail interleaved], and optionally a fifth code,
+// 1 for the int8 order (int4_layout.Int4Layout.int8_order).
 std::vector<Segment> segments(int64_t n, at::IntArrayRef layout) {
-  TORCH_CHECK(layout.size() == 4, "layout is [block, interleaved, tail block, tail interleaved]");
+  TORCH_CHECK(layout.size() == 4 || layout.size() == 5,
+              "layout is [block, interleaved, tail block, tail interleaved(, int8 order)]");
   const int64_t block = layout[0], tail = layout[2];
+  const bool order = layout.size() == 5 && layout[4] != 0;
   TORCH_CHECK(block == 32 || block == 64, "int4 blocks of 32 or 64 rows, got ", block);
   std::vector<Segment> out;
   const int64_t full = n / block * block;
-  if (full) out.push_back({0, full, block, layout[1] != 0});
+  if (full) out.push_back({0, full, block, layout[1] != 0, order});
   if (n > full) {
     TORCH_CHECK(tail == 32 && (n - full) % 32 == 0, n, " rows do not fill blocks of ", block);
-    out.push_back({full, n - full, 32, layout[3] != 0});
+    out.push_back({full, n - full, 32, layout[3] != 0, order});
   }
   return out;
+}
+
+// Where byte lane j (0 <= j < block/2) of column k sits in a block's bytes: k * half + j, or
+// in the int8 order, within the run of 4 columns from k - k % 4, at 64c + 4(j % 16) + k % 4
+// for chunk c = j / 16.
+inline int64_t byte_at(const Segment& s, int64_t k, int64_t j) {
+  const int64_t half = s.block / 2;
+  if (!s.int8_order) return k * half + j;
+  return (k - k % 4) * half + 64 * (j / 16) + 4 * (j % 16) + k % 4;
 }
 
 // The output row of lane l (0 <= l < block): lanes [0, block/2) are the low nibbles.
@@ -201,10 +219,10 @@ void q8_portable(const Matrix& m, const Segment& s, int64_t b0, const Row* x, fl
   for (int64_t g = 0; g < m.k / kGroup; ++g) {
     std::memset(dot, 0, sizeof(dot));
     for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
-      const uint8_t* col = base + k * half;
-      if ((k * half) % 64 == 0) __builtin_prefetch(col + kPrefetch);
+      if ((k * half) % 64 == 0) __builtin_prefetch(base + k * half + kPrefetch);
       for (int64_t j = 0; j < half; ++j) {
-        const int32_t lo = col[j] & 15, hi = col[j] >> 4;
+        const uint8_t byte = base[byte_at(s, k, j)];
+        const int32_t lo = byte & 15, hi = byte >> 4;
         for (int r = 0; r < R; ++r) {
           dot[r][j] += lo * x[r].q[k];
           dot[r][half + j] += hi * x[r].q[k];
@@ -228,7 +246,10 @@ inline int32_t quad(const int8_t* q) {
 // time, chunk c's bytes become 4-byte lanes [col k][col k+1][col k+2][col k+3] of byte j
 // (unpacks), whose nibbles go through maddubs against the 4 activation codes: lanes 16c + j
 // of the low nibbles (vectors 2c, 2c + 1), half + 16c + j of the high ones.
-template <int C, int R>
+// In the int8 order (O), the 4 columns' bytes are already in that order: two loads per chunk
+// replace the 4 loads and 6 unpacks. A layer's 8 experts: 1.10-1.13x faster from memory,
+// 1.25x from the cache (docs/kernels.md).
+template <int C, int R, bool O>
 __attribute__((target("avx2,fma"))) void q8_avx2(const Matrix& m, const Segment& s, int64_t b0,
                                                  const Row* x, float* acc) {
   constexpr int V = 4 * C;
@@ -250,15 +271,21 @@ __attribute__((target("avx2,fma"))) void q8_avx2(const Matrix& m, const Segment&
       __m256i w[V];
 #pragma GCC unroll 2
       for (int c = 0; c < C; ++c) {
-        const uint8_t* p = col + 16 * c;
-        const __m128i a0 = _mm_loadu_si128((const __m128i*)p);
-        const __m128i a1 = _mm_loadu_si128((const __m128i*)(p + half));
-        const __m128i a2 = _mm_loadu_si128((const __m128i*)(p + 2 * half));
-        const __m128i a3 = _mm_loadu_si128((const __m128i*)(p + 3 * half));
-        const __m128i t0 = _mm_unpacklo_epi8(a0, a1), t1 = _mm_unpackhi_epi8(a0, a1);
-        const __m128i t2 = _mm_unpacklo_epi8(a2, a3), t3 = _mm_unpackhi_epi8(a2, a3);
-        const __m256i u0 = _mm256_set_m128i(_mm_unpackhi_epi16(t0, t2), _mm_unpacklo_epi16(t0, t2));
-        const __m256i u1 = _mm256_set_m128i(_mm_unpackhi_epi16(t1, t3), _mm_unpacklo_epi16(t1, t3));
+        __m256i u0, u1;
+        if (O) {
+          u0 = _mm256_loadu_si256((const __m256i*)(col + 64 * c));
+          u1 = _mm256_loadu_si256((const __m256i*)(col + 64 * c + 32));
+        } else {
+          const uint8_t* p = col + 16 * c;
+          const __m128i a0 = _mm_loadu_si128((const __m128i*)p);
+          const __m128i a1 = _mm_loadu_si128((const __m128i*)(p + half));
+          const __m128i a2 = _mm_loadu_si128((const __m128i*)(p + 2 * half));
+          const __m128i a3 = _mm_loadu_si128((const __m128i*)(p + 3 * half));
+          const __m128i t0 = _mm_unpacklo_epi8(a0, a1), t1 = _mm_unpackhi_epi8(a0, a1);
+          const __m128i t2 = _mm_unpacklo_epi8(a2, a3), t3 = _mm_unpackhi_epi8(a2, a3);
+          u0 = _mm256_set_m128i(_mm_unpackhi_epi16(t0, t2), _mm_unpacklo_epi16(t0, t2));
+          u1 = _mm256_set_m128i(_mm_unpackhi_epi16(t1, t3), _mm_unpacklo_epi16(t1, t3));
+        }
         w[2 * c] = _mm256_and_si256(u0, nib);
         w[2 * c + 1] = _mm256_and_si256(u1, nib);
         w[2 * C + 2 * c] = _mm256_and_si256(_mm256_srli_epi16(u0, 4), nib);
@@ -567,6 +594,14 @@ void block_rows(Path path, const Matrix& m, const Segment& s, int64_t b0, const 
                 float* acc) {
 #ifdef EDGE0_X86
   const bool wide = s.block == 64;
+  if (s.int8_order) {  // int8 only (run checks); the AVX2 kernel reads it, on AVX-512 too
+    if (path.isa == kPortable) {
+      q8_portable<R>(m, s, b0, x, acc);
+    } else {
+      wide ? q8_avx2<2, R, true>(m, s, b0, x, acc) : q8_avx2<1, R, true>(m, s, b0, x, acc);
+    }
+    return;
+  }
   if (path.isa == kAvx512) {
     if (path.int8)
       wide ? q8_avx512<2, R>(m, s, b0, x, acc) : q8_avx512<1, R>(m, s, b0, x, acc);
@@ -576,7 +611,7 @@ void block_rows(Path path, const Matrix& m, const Segment& s, int64_t b0, const 
   }
   if (path.isa == kAvx2) {
     if (path.int8)
-      wide ? q8_avx2<2, R>(m, s, b0, x, acc) : q8_avx2<1, R>(m, s, b0, x, acc);
+      wide ? q8_avx2<2, R, false>(m, s, b0, x, acc) : q8_avx2<1, R, false>(m, s, b0, x, acc);
     else
       wide ? block_avx2<8, R>(m, s, b0, x, acc) : block_avx2<4, R>(m, s, b0, x, acc);
     return;
@@ -643,6 +678,10 @@ void add_rows(Path path, std::vector<Job>& jobs, const Matrix& m, const std::vec
 
 // Every block of every job, in one parallel region (torch's intra-op threads).
 void run(Path path, const std::vector<Job>& jobs) {
+  for (const Job& j : jobs)
+    for (const Segment& sg : j.segs)
+      TORCH_CHECK(path.int8 || !sg.int8_order,
+                  "int4 codes in the int8 order are read by the int8 kernels only");
   struct Unit {
     size_t job, segment;
     int64_t b0;
@@ -849,6 +888,59 @@ at::Tensor swiglu_int4_rows(const at::Tensor& x, at::TensorList tokens, at::Tens
   return out;
 }
 
+// One run of 4 columns of a block of 32C rows (4 * 16C bytes at p) into the int8 order, in
+// place: byte j of chunk c of column i from i * 16C + 16c + j to 64c + 4j + i. Every chunk
+// is loaded before any is stored. On x86 the unpacks q8_avx2 does per use (SSE2: every
+// x86-64 CPU).
+template <int C>
+inline void int8_order_run(uint8_t* p) {
+  constexpr int64_t half = 16 * C;
+#ifdef EDGE0_X86
+  __m128i out[C][4];
+  for (int c = 0; c < C; ++c) {
+    const uint8_t* q = p + 16 * c;
+    const __m128i a0 = _mm_loadu_si128((const __m128i*)q);
+    const __m128i a1 = _mm_loadu_si128((const __m128i*)(q + half));
+    const __m128i a2 = _mm_loadu_si128((const __m128i*)(q + 2 * half));
+    const __m128i a3 = _mm_loadu_si128((const __m128i*)(q + 3 * half));
+    const __m128i t0 = _mm_unpacklo_epi8(a0, a1), t1 = _mm_unpackhi_epi8(a0, a1);
+    const __m128i t2 = _mm_unpacklo_epi8(a2, a3), t3 = _mm_unpackhi_epi8(a2, a3);
+    out[c][0] = _mm_unpacklo_epi16(t0, t2);
+    out[c][1] = _mm_unpackhi_epi16(t0, t2);
+    out[c][2] = _mm_unpacklo_epi16(t1, t3);
+    out[c][3] = _mm_unpackhi_epi16(t1, t3);
+  }
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < 4; ++v) _mm_storeu_si128((__m128i*)(p + 64 * c + 16 * v), out[c][v]);
+#else
+  uint8_t from[4 * half];
+  std::memcpy(from, p, 4 * half);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t j = 0; j < 16; ++j)
+      for (int64_t i = 0; i < 4; ++i) p[64 * c + 4 * j + i] = from[i * half + 16 * c + j];
+#endif
+}
+
+// Codes packed [N, K/2] in `layout`'s arrangement, put in its int8 order in place: what the
+// pool does to each expert it reads where decode runs the int8 AVX2 kernel, at about the
+// speed of a copy (int4_layout.Int4Layout.in_int8_order is its PyTorch reference).
+void int8_order(const at::Tensor& packed, at::IntArrayRef layout) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed int4 codes must be contiguous uint8 [N, K/2]");
+  TORCH_CHECK(layout.size() == 4, "the codes' own arrangement: [block, interleaved, tail block, "
+              "tail interleaved]");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(k % kGroup == 0, "int4 codes come in groups of 64 columns, got ", k);
+  uint8_t* codes = packed.data_ptr<uint8_t>();
+  for (const Segment& sg : segments(n, layout)) {
+    const int64_t half = sg.block / 2;
+    // a segment's blocks are contiguous: its runs of 4 columns follow one another
+    uint8_t* p = codes + sg.first * (k / 2);
+    for (int64_t r = 0; r < sg.rows * k / 2; r += 4 * half)
+      half == 16 ? int8_order_run<1>(p + r) : int8_order_run<2>(p + r);
+  }
+}
+
 bool isa_supported(int64_t isa) {
   return isa >= kPortable && isa <= kAvx512 && supported(static_cast<Isa>(isa));
 }
@@ -905,10 +997,12 @@ TORCH_LIBRARY_FRAGMENT(edge0, m) {
       "Tensor[] p2, int[] layout, int isa) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor pairs, int[] layout, int isa) -> Tensor");
   m.def("int4_isa_supported(int isa) -> bool", &isa_supported);
+  m.def("int8_order_(Tensor(a!) packed, int[] layout) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edge0, CPU, m) {
   m.impl("swiglu_int4_gemv", &swiglu_int4_gemv);
   m.impl("swiglu_int4_rows", &swiglu_int4_rows);
   m.impl("int4_gemv", &edge0::int4_gemv);
+  m.impl("int8_order_", &int8_order);
 }

@@ -93,12 +93,20 @@ class ExtentLayout:
 
     def finalize(self, buf: torch.Tensor, stored: Int4Layout | None = None) -> None:
         """Turn stored bytes into kernel form in place: (scale, bias) pairs into the kernel's
-        (scale, zero), and codes written in the `stored` arrangement into this layout's."""
+        (scale, zero), and codes written in the `stored` arrangement into this layout's (in
+        its int8 order with the native op, where it is in one)."""
         t = self.views(buf)
         quant.to_kernel_pairs(t.p13)
         quant.to_kernel_pairs(t.p2)
-        if stored is not None and stored != self.int4:
-            self.relayout_codes(t, stored, self.int4)
+        own = self.int4.in_own_order()
+        if stored is not None and stored != own:
+            self.relayout_codes(t, stored, own)
+        if self.int4.int8_order:
+            from edge0 import native  # only an engine on the native int8 kernels gets here
+
+            reorder, code = native.int8_order_(), native.layout_code(own)
+            reorder(t.w13, code)
+            reorder(t.w2, code)
 
     def relayout_codes(self, t: ExpertTensors, src: Int4Layout, dst: Int4Layout) -> None:
         """In place: the codes of w13 and w2 from the `src` arrangement to `dst`."""

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from edge0 import native, quant
+from edge0.int4_layout import Int4Layout
 from edge0.models.experts import for_each_expert, swiglu_dense
 from edge0.options import EXPERT_KERNELS
 from edge0.store.extents import ExpertTensors, ExtentLayout
@@ -125,16 +126,25 @@ def row_experts(decode: DecodeExperts, cache_dir: Path | None = None) -> RowExpe
     return RowExperts(native.swiglu_int4_rows(cache_dir), decode.layout, decode.isa)
 
 
-def decode_experts(kernel: str, cache_dir: Path | None = None, int8: bool = False) -> DecodeExperts:
+def decode_experts(
+    kernel: str,
+    cache_dir: Path | None = None,
+    int8: bool = False,
+    int4: Int4Layout | None = None,
+) -> DecodeExperts:
     """The decode compute that EngineOptions.expert_kernel names ("auto": fused where the
     native op builds, else torch, with a warning saying why); `int8`: the native op's
-    int8-activation kernel (EngineOptions.int4_activations)."""
+    int8-activation kernel (EngineOptions.int4_activations); `int4`: the experts'
+    arrangement where it is not the host's (its int8 order: int8 only)."""
     if kernel not in EXPERT_KERNELS:
         raise ValueError(f"expert_kernel must be one of {', '.join(EXPERT_KERNELS)}: {kernel!r}")
     if kernel == "torch":
         return torch_experts
     try:
-        return FusedExperts(native.swiglu_int4_gemv(cache_dir), *native.kernel_args(int8))
+        layout, isa = native.kernel_args(int8)
+        if int4 is not None:
+            layout = native.layout_code(int4)
+        return FusedExperts(native.swiglu_int4_gemv(cache_dir), layout, isa)
     except native.NativeUnavailable as e:
         if kernel == "fused":
             raise
