@@ -23,7 +23,9 @@
 // below): activations become int8 codes with a scale per group of 64, and the products are
 // integer dot products (VNNI's dpbusd where the CPU has it, AVX2's maddubs, or scalar code),
 // ~2x the bf16 path's rounding error and faster: their sums are their own, the same bits on
-// every path (quant.int4_linear_int8 is their PyTorch reference).
+// every path (quant.int4_linear_int8 is their PyTorch reference). They also read codes in
+// the int8 order (a fifth layout code; edge0::int8_order_ puts them in it), where each run of
+// 4 columns already holds the bytes as the AVX2 kernel's unpacks would leave them.
 //
 // edge0::swiglu_int4_gemv: a decode token's K experts, down(silu(gate x) * up x), with the
 // reference's rounding points and its silu (ATen's, over all experts at once).
