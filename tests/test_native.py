@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from edge0 import builtin, int4_layout, native, quant
 from edge0.convert import convert
 from edge0.engine import EngineOptions, load_engine
-from edge0.store.extents import ExpertTensors
+from edge0.store.extents import ExpertTensors, ExtentLayout
 from edge0.streaming import executors
 from edge0.streaming.executors import (
     FusedExperts,
@@ -226,8 +226,26 @@ def test_the_int8_order_is_its_reference_and_only_the_int8_paths_read_it():
             reorder(got, native.layout_code(layout))
             assert torch.equal(got, ordered.pack(q)) and torch.equal(ordered.unpack(got, n, k), q)
             assert not torch.equal(got, layout.pack(q))
+    # the pool's finalize of a stored extent: its codes in the int8 order, its weights the same
+    host = int4_layout.host_layout()
+    stored = ExtentLayout(128, 64).with_int4(host)
+    gate, up = torch.randn(2, 64, 128, generator=gen).unbind()
+    buf = stored.pack(gate, up, torch.randn(128, 64, generator=gen))
+    as_stored, ordered_buf = buf.clone(), buf.clone()
+    stored.finalize(as_stored)
+    ordered = stored.with_int4(host.in_int8_order())
+    with pytest.raises(ValueError, match="int8 order need a reorder"):
+        ordered.finalize(buf.clone(), host)
+    ordered.finalize(ordered_buf, host, native.put_in_int8_order)
+    for a, b in zip(
+        stored.dequantize(stored.views(as_stored)),
+        ordered.dequantize(ordered.views(ordered_buf)),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    assert not torch.equal(ordered.views(ordered_buf).w13, stored.views(as_stored).w13)
     q, _, pairs = int4_weights(64, 128, gen)
-    ordered = int4_layout.host_layout().in_int8_order()
+    ordered = host.in_int8_order()
     x = torch.randn(1, 128, generator=gen)
     with pytest.raises(RuntimeError, match="int8 order are read by the int8 kernels only"):
         native.int4_gemv()(

@@ -234,6 +234,7 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
         layout.with_int4(host.in_int8_order() if int8_order else host),
         plan.pool_bytes,
         io_threads=opts.io_threads,
+        reorder=native.put_in_int8_order if int8_order else None,
     )
     prerouter = None
     if heads is not None:

@@ -235,6 +235,12 @@ def int8_order_(cache_dir: Path | None = None) -> Callable[..., None]:
     return torch.ops.edge0.int8_order_
 
 
+def put_in_int8_order(codes: torch.Tensor, own: Int4Layout) -> None:
+    """Codes packed [N, K/2] in the arrangement `own`, put in its int8 order in place (the
+    pool's reorder, ExtentLayout.finalize)."""
+    int8_order_()(codes, layout_code(own))
+
+
 def int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
     """The op, built and loaded if need be: (x [..., K], packed, pairs, layout, isa) -> [..., N]."""
     _load(cache_dir)

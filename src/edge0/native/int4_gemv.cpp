@@ -237,6 +237,22 @@ void q8_portable(const Matrix& m, const Segment& s, int64_t b0, const Row* x, fl
 
 #ifdef EDGE0_X86
 
+// 4 byte columns' chunk of 16 bytes (at q, q + half, q + 2 half, q + 3 half) as 4-byte
+// lanes [col k][col k+1][col k+2][col k+3] of byte j: out[v] holds bytes j = 4v .. 4v + 3.
+// The int8 order is these 64 bytes in this order (SSE2: every x86-64 CPU).
+inline void column_quads(const uint8_t* q, int64_t half, __m128i* out) {
+  const __m128i a0 = _mm_loadu_si128((const __m128i*)q);
+  const __m128i a1 = _mm_loadu_si128((const __m128i*)(q + half));
+  const __m128i a2 = _mm_loadu_si128((const __m128i*)(q + 2 * half));
+  const __m128i a3 = _mm_loadu_si128((const __m128i*)(q + 3 * half));
+  const __m128i t0 = _mm_unpacklo_epi8(a0, a1), t1 = _mm_unpackhi_epi8(a0, a1);
+  const __m128i t2 = _mm_unpacklo_epi8(a2, a3), t3 = _mm_unpackhi_epi8(a2, a3);
+  out[0] = _mm_unpacklo_epi16(t0, t2);
+  out[1] = _mm_unpackhi_epi16(t0, t2);
+  out[2] = _mm_unpacklo_epi16(t1, t3);
+  out[3] = _mm_unpackhi_epi16(t1, t3);
+}
+
 // 4 activation codes from k on, as one int32 to broadcast.
 inline int32_t quad(const int8_t* q) {
   int32_t v;
@@ -278,15 +294,10 @@ __attribute__((target("avx2,fma"))) void q8_avx2(const Matrix& m, const Segment&
           u0 = _mm256_loadu_si256((const __m256i*)(col + 64 * c));
           u1 = _mm256_loadu_si256((const __m256i*)(col + 64 * c + 32));
         } else {
-          const uint8_t* p = col + 16 * c;
-          const __m128i a0 = _mm_loadu_si128((const __m128i*)p);
-          const __m128i a1 = _mm_loadu_si128((const __m128i*)(p + half));
-          const __m128i a2 = _mm_loadu_si128((const __m128i*)(p + 2 * half));
-          const __m128i a3 = _mm_loadu_si128((const __m128i*)(p + 3 * half));
-          const __m128i t0 = _mm_unpacklo_epi8(a0, a1), t1 = _mm_unpackhi_epi8(a0, a1);
-          const __m128i t2 = _mm_unpacklo_epi8(a2, a3), t3 = _mm_unpackhi_epi8(a2, a3);
-          u0 = _mm256_set_m128i(_mm_unpackhi_epi16(t0, t2), _mm_unpacklo_epi16(t0, t2));
-          u1 = _mm256_set_m128i(_mm_unpackhi_epi16(t1, t3), _mm_unpacklo_epi16(t1, t3));
+          __m128i v[4];
+          column_quads(col + 16 * c, half, v);
+          u0 = _mm256_set_m128i(v[1], v[0]);
+          u1 = _mm256_set_m128i(v[3], v[2]);
         }
         w[2 * c] = _mm256_and_si256(u0, nib);
         w[2 * c + 1] = _mm256_and_si256(u1, nib);
@@ -892,26 +903,13 @@ at::Tensor swiglu_int4_rows(const at::Tensor& x, at::TensorList tokens, at::Tens
 
 // One run of 4 columns of a block of 32C rows (4 * 16C bytes at p) into the int8 order, in
 // place: byte j of chunk c of column i from i * 16C + 16c + j to 64c + 4j + i. Every chunk
-// is loaded before any is stored. On x86 the unpacks q8_avx2 does per use (SSE2: every
-// x86-64 CPU).
+// is loaded before any is stored. On x86 the unpacks q8_avx2 does per use (column_quads).
 template <int C>
 inline void int8_order_run(uint8_t* p) {
   constexpr int64_t half = 16 * C;
 #ifdef EDGE0_X86
   __m128i out[C][4];
-  for (int c = 0; c < C; ++c) {
-    const uint8_t* q = p + 16 * c;
-    const __m128i a0 = _mm_loadu_si128((const __m128i*)q);
-    const __m128i a1 = _mm_loadu_si128((const __m128i*)(q + half));
-    const __m128i a2 = _mm_loadu_si128((const __m128i*)(q + 2 * half));
-    const __m128i a3 = _mm_loadu_si128((const __m128i*)(q + 3 * half));
-    const __m128i t0 = _mm_unpacklo_epi8(a0, a1), t1 = _mm_unpackhi_epi8(a0, a1);
-    const __m128i t2 = _mm_unpacklo_epi8(a2, a3), t3 = _mm_unpackhi_epi8(a2, a3);
-    out[c][0] = _mm_unpacklo_epi16(t0, t2);
-    out[c][1] = _mm_unpackhi_epi16(t0, t2);
-    out[c][2] = _mm_unpacklo_epi16(t1, t3);
-    out[c][3] = _mm_unpackhi_epi16(t1, t3);
-  }
+  for (int c = 0; c < C; ++c) column_quads(p + 16 * c, half, out[c]);
   for (int c = 0; c < C; ++c)
     for (int v = 0; v < 4; ++v) _mm_storeu_si128((__m128i*)(p + 64 * c + 16 * v), out[c][v]);
 #else

@@ -13,6 +13,7 @@ it was written in, and a read into a pool converts to the host kernel's if they 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -91,10 +92,16 @@ class ExtentLayout:
             parts[name] = buf[offset : offset + n].view(dtype).view(shape)
         return ExpertTensors(**parts)
 
-    def finalize(self, buf: torch.Tensor, stored: Int4Layout | None = None) -> None:
+    def finalize(
+        self,
+        buf: torch.Tensor,
+        stored: Int4Layout | None = None,
+        reorder: Callable[[torch.Tensor, Int4Layout], None] | None = None,
+    ) -> None:
         """Turn stored bytes into kernel form in place: (scale, bias) pairs into the kernel's
-        (scale, zero), and codes written in the `stored` arrangement into this layout's (in
-        its int8 order with the native op, where it is in one)."""
+        (scale, zero), and codes written in the `stored` arrangement into this layout's. A
+        layout in the int8 order needs `reorder` (codes, their own arrangement), which puts
+        codes in it in place (native.put_in_int8_order)."""
         t = self.views(buf)
         quant.to_kernel_pairs(t.p13)
         quant.to_kernel_pairs(t.p2)
@@ -102,11 +109,10 @@ class ExtentLayout:
         if stored is not None and stored != own:
             self.relayout_codes(t, stored, own)
         if self.int4.int8_order:
-            from edge0 import native  # only an engine on the native int8 kernels gets here
-
-            reorder, code = native.int8_order_(), native.layout_code(own)
-            reorder(t.w13, code)
-            reorder(t.w2, code)
+            if reorder is None:
+                raise ValueError(f"{self.int4.name}: codes in the int8 order need a reorder")
+            reorder(t.w13, own)
+            reorder(t.w2, own)
 
     def relayout_codes(self, t: ExpertTensors, src: Int4Layout, dst: Int4Layout) -> None:
         """In place: the codes of w13 and w2 from the `src` arrangement to `dst`."""

@@ -20,12 +20,13 @@ import mmap
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from edge0.int4_layout import Int4Layout
 from edge0.store.expert_file import ExpertFile
 from edge0.store.extents import ExpertTensors, ExtentLayout
 from edge0.threads import single_threaded_pool
@@ -100,6 +101,7 @@ class ExpertPool:
         layout: ExtentLayout,
         capacity_bytes: int,
         io_threads: int = 4,
+        reorder: Callable[[torch.Tensor, Int4Layout], None] | None = None,
     ):
         if layout.nbytes != file.extent_bytes:
             raise ValueError(
@@ -108,6 +110,7 @@ class ExpertPool:
             )
         self.file = file
         self.layout = layout
+        self._reorder = reorder  # a layout in the int8 order: ExtentLayout.finalize
         self.extent_bytes = layout.nbytes
         self.num_slots = capacity_bytes // self.extent_bytes
         if self.num_slots < 1:
@@ -268,7 +271,7 @@ class ExpertPool:
             got = self.file.read_run(layer, run[0].key[1], [self._views[en.slot] for en in run])
             dt = time.perf_counter_ns() - t0
             for en in run:
-                self.layout.finalize(self._slots[en.slot], stored=self.file.int4)
+                self.layout.finalize(self._slots[en.slot], self.file.int4, self._reorder)
             with self._lock:
                 self.stats.reads += 1
                 self.stats.loads += len(run)
