@@ -8,9 +8,10 @@ buffers; the caller only waits for a read it needs now, and that wait is measure
 An entry is pinned while someone holds it (a layer computing with it, or a prefetch that
 staged it for the next token); only unpinned, finished entries are evicted.
 
-`layout` is what the pool hands out: its int4 arrangement must be the host kernel's. The
-I/O thread finalizes each read into it, repacking the codes if the file was written in
-another arrangement (the engine normally avoids that with a once-per-machine copy).
+`layout` is what the pool hands out: its int4 arrangement must be the host kernel's, or
+that arrangement's int8 order (with the `reorder` that puts codes in it). The I/O thread
+finalizes each read into it, repacking the codes if the file was written in another
+arrangement (the engine normally avoids that with a once-per-machine copy).
 """
 
 from __future__ import annotations
@@ -36,23 +37,22 @@ log = logging.getLogger(__name__)
 IOV_MAX = 1024  # Linux limit on buffers per preadv
 
 
-def advise_huge_pages(mem: mmap.mmap) -> bool:
+def advise_huge_pages(mem: mmap.mmap) -> None:
     """Ask Linux to back `mem` with transparent huge pages where it allows them.
 
-    The kernels read a token's experts from slots spread over gigabytes; with 4 KiB pages
-    every block's scale rows (one 4 KiB page per group) and bytes miss the TLB. Huge pages
+    The kernels read a token's experts from slots spread over gigabytes; with 4 KiB pages a
+    kernel block's codes and its scale rows (a page per group) cost TLB misses. Huge pages
     took 4-5% off an uncapped int8 decode step on the peer bench shape (docs/kernels.md).
     With THP set to `madvise` (most distributions) nothing else gives them; with `never`
     this does nothing. A slot is still only memory once it is read into.
     """
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:  # not Linux
-        return False
+        return
     try:
         mem.madvise(advice)
-    except OSError:  # a kernel without THP
-        return False
-    return True
+    except OSError:  # a kernel built without THP: 4 KiB pages, as before
+        log.debug("no transparent huge pages for the expert pool")
 
 
 class PoolExhausted(RuntimeError):
