@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from edge0 import modeldir
+from edge0 import modeldir, native
 from edge0.convert import convert
 from edge0.engine import EngineOptions, load_engine
 from edge0.int4_layout import LAYOUTS, host_layout
@@ -85,6 +85,26 @@ def test_repack_on_read_serves_the_same_tokens(models, tmp_path, name):
     want = greedy(models / host_layout().name)
     assert greedy(models / name, relayout="on-read", cache_dir=tmp_path / "c") == want
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("name", others())
+def test_repack_on_read_into_the_int8_order_serves_the_same_tokens(
+    models, tmp_path, name, monkeypatch
+):
+    """int8 activations with the experts put in the int8 order as they are read (forced where
+    the int8 path is not AVX2): a file in another arrangement is repacked into the host's,
+    then ordered, and serves what the host's own file serves."""
+    monkeypatch.setattr(native, "int8_order_pays", lambda: True)
+    want = greedy(models / host_layout().name, int4_activations="int8")
+    opts = EngineOptions(int4_activations="int8", relayout="on-read", cache_dir=tmp_path / "c")
+    engine = load_engine(models / name, opts)
+    try:
+        assert engine.pool.file.int4.name == name  # read as stored, repacked on read
+        assert engine.pool.layout.int4 == host_layout().in_int8_order()
+        got = engine.generate(PROMPT, 12, SamplingParams(temperature=0)).drain().tokens
+    finally:
+        engine.close()
+    assert got == want
 
 
 def test_unwritable_cache_falls_back_to_repack_on_read(models, tmp_path, caplog):
