@@ -136,6 +136,35 @@ def test_the_fused_experts_are_the_reference_bit_for_bit(dtype):
     assert torch.equal(fused(x, indices, tensors), torch_experts(x, indices, tensors))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_fused_experts_are_the_same_bits_however_the_threads_split_them(threads):
+    """Where the threads can share a token's K experts evenly, each takes whole experts in
+    one region; else every block is shared out, gate/up then down. K of 8, 6 and 3 on 1, 2
+    and 3 threads give both, and each is the reference bit for bit: torch_experts on the
+    exact path (fp32 and bf16), swiglu_int8 on the int8 one."""
+    gen = torch.Generator().manual_seed(12)
+    d, width, n_exp = 256, 128, 10
+    tensors, codes = {}, {}
+    for e in range(n_exp):
+        q13, w13, p13 = int4_weights(2 * width, d, gen)
+        q2, w2, p2 = int4_weights(d, width, gen)
+        tensors[e], codes[e] = ExpertTensors(w13, p13, w2, p2), (q13, q2)
+    exact, int8 = decode_experts("fused"), decode_experts("fused", int8=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in (8, 6, 3):
+            indices = torch.randperm(n_exp, generator=gen)[:k][None]
+            x = torch.randn(1, d, generator=gen) * 2
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = x.to(dtype)
+                assert torch.equal(exact(xd, indices, tensors), torch_experts(xd, indices, tensors))
+            want = torch.cat([swiglu_int8(x, codes[e], tensors[e]) for e in indices[0].tolist()])
+            assert torch.equal(int8(x, indices, tensors), want[None])
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [128, 192])
 def test_the_prefill_experts_are_the_reference_bit_for_bit(dtype, width):
