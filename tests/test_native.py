@@ -136,6 +136,16 @@ def test_the_fused_experts_are_the_reference_bit_for_bit(dtype):
     assert torch.equal(fused(x, indices, tensors), torch_experts(x, indices, tensors))
 
 
+def random_experts(n_exp: int, d: int, width: int, gen: torch.Generator):
+    """n_exp random int4 experts: their kernel tensors and their codes (q13, q2), by index."""
+    tensors, codes = {}, {}
+    for e in range(n_exp):
+        q13, w13, p13 = int4_weights(2 * width, d, gen)
+        q2, w2, p2 = int4_weights(d, width, gen)
+        tensors[e], codes[e] = ExpertTensors(w13, p13, w2, p2), (q13, q2)
+    return tensors, codes
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_fused_experts_are_the_same_bits_however_the_threads_split_them(threads):
     """Where the threads can share a token's K experts evenly, each takes whole experts in
@@ -144,11 +154,7 @@ def test_the_fused_experts_are_the_same_bits_however_the_threads_split_them(thre
     exact path (fp32 and bf16), swiglu_int8 on the int8 one."""
     gen = torch.Generator().manual_seed(12)
     d, width, n_exp = 256, 128, 10
-    tensors, codes = {}, {}
-    for e in range(n_exp):
-        q13, w13, p13 = int4_weights(2 * width, d, gen)
-        q2, w2, p2 = int4_weights(d, width, gen)
-        tensors[e], codes[e] = ExpertTensors(w13, p13, w2, p2), (q13, q2)
+    tensors, codes = random_experts(n_exp, d, width, gen)
     exact, int8 = decode_experts("fused"), decode_experts("fused", int8=True)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -311,11 +317,7 @@ def test_the_int8_experts_are_their_reference_bit_for_bit():
     (RowExperts) through the int8 kernels, against swiglu_int8 one expert at a time."""
     gen = torch.Generator().manual_seed(8)
     d, width, n_exp = 256, 192, 12
-    tensors, codes = {}, {}
-    for e in range(n_exp):
-        q13, w13, p13 = int4_weights(2 * width, d, gen)
-        q2, w2, p2 = int4_weights(d, width, gen)
-        tensors[e], codes[e] = ExpertTensors(w13, p13, w2, p2), (q13, q2)
+    tensors, codes = random_experts(n_exp, d, width, gen)
     x = torch.randn(3, d, generator=gen) * 2
     indices = torch.stack([torch.randperm(n_exp, generator=gen)[:8] for _ in range(3)])
     fused = decode_experts("fused", int8=True)
