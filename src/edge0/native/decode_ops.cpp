@@ -223,10 +223,14 @@ at::Tensor moe_combine(const at::Tensor& routed, const at::Tensor& weights, cons
   const float* wp = w.data_ptr<float>();
   std::vector<float> wk(k), y(d);
   for (int64_t i = 0; i < k; ++i) wk[i] = edge0::round_to(wp[i], bf16);
-  edge0::outer_sum(
-      k, d, lanes,
-      [&](int64_t i, int64_t c) { return edge0::round_to(rp[i * d + c] * wk[i], bf16); },
-      y.data());
+  if (bf16) {
+    edge0::outer_sum(
+        k, d, lanes, [&](int64_t i, int64_t c) { return edge0::bf16_round(rp[i * d + c] * wk[i]); },
+        y.data());
+  } else {  // no rounding to test per product: the compiler can vectorize the rows' sums
+    edge0::outer_sum(k, d, lanes, [&](int64_t i, int64_t c) { return rp[i * d + c] * wk[i]; },
+                     y.data());
+  }
   for (int64_t c = 0; c < d; ++c) y[c] = edge0::round_to(y[c], bf16);
   if (shared.has_value()) {
     TORCH_CHECK(shared->numel() == d && shared->scalar_type() == dtype,

@@ -115,6 +115,7 @@ void outer_sum(int64_t k, int64_t d, int64_t lanes, F f, float* out) {
     // columns can run side by side, row after row
     for (; c < cascaded; ++c) out[c] = 0.0f;
     for (int64_t i = 0; i < k; ++i)
+#pragma GCC ivdep
       for (int64_t j = 0; j < cascaded; ++j) out[j] = out[j] + f(i, j);
   }
   for (; c < d; ++c) {
