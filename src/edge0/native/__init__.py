@@ -200,10 +200,11 @@ def layout_code(layout: Int4Layout) -> list[int]:
 
 def int8_order_pays() -> bool:
     """Whether experts should sit in the int8 order where decode runs the int8 kernels: where
-    that path is the AVX2 kernel, whose 4 loads and 6 unpacks per 4 columns the order
-    replaces with 2 loads (a layer's 8 experts 1.10-1.13x faster from memory, docs/kernels.md).
-    The AVX-512 path's one byte permute and the portable loop would gain nothing from it."""
-    return kernel_isa() == 1
+    that path is a vector one. On AVX2 the order replaces 4 loads and 6 unpacks per 4 columns
+    with 2 loads (a layer's 8 experts 1.10-1.13x faster from memory); on AVX-512 it replaces
+    the byte permutes with plain loads (the uncapped decode step 1.06x faster, docs/kernels.md).
+    The portable loop would gain nothing from it."""
+    return kernel_isa() in (1, 2)
 
 
 @functools.cache

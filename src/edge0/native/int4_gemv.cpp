@@ -25,7 +25,8 @@
 // ~2x the bf16 path's rounding error and faster: their sums are their own, the same bits on
 // every path (quant.int4_linear_int8 is their PyTorch reference). They also read codes in
 // the int8 order (a fifth layout code; edge0::int8_order_ puts them in it), where each run of
-// 4 columns already holds the bytes as the AVX2 kernel's unpacks would leave them.
+// 4 columns already holds the bytes as the AVX2 kernel's unpacks, or the AVX-512 kernel's
+// byte permutes, would leave them.
 //
 // edge0::swiglu_int4_gemv: a decode token's K experts, down(silu(gate x) * up x), with the
 // reference's rounding points and its silu (ATen's, over all experts at once).
@@ -518,7 +519,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void tiled_avx512(
 // The int8 path with AVX-512 VBMI and VNNI: C 16-byte chunks per byte column, as q8_avx2;
 // 4 columns are 4 * half contiguous bytes, and one byte permute (two sources for C = 2) puts
 // chunk c's bytes in 4-byte lanes [col k..k+3] of byte j, whose nibbles go through dpbusd.
-template <int C, int R>
+// In the int8 order (`Ordered`) chunk c's 64 bytes are already so, and load as they are.
+template <int C, int R, bool Ordered>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512vnni"))) void
 q8_avx512(const Matrix& m, const Segment& s, int64_t b0, const Row* x, float* acc) {
   constexpr int V = 2 * C;
@@ -542,10 +544,12 @@ q8_avx512(const Matrix& m, const Segment& s, int64_t b0, const Row* x, float* ac
       const uint8_t* col = base + k * half;
       _mm_prefetch((const char*)(col + kPrefetch), _MM_HINT_T0);
       __m512i t[C];
-      if (C == 1) {
+      if (C == 2) _mm_prefetch((const char*)(col + kPrefetch + 64), _MM_HINT_T0);
+      if (Ordered) {
+        for (int c = 0; c < C; ++c) t[c] = _mm512_loadu_si512(col + 64 * c);
+      } else if (C == 1) {
         t[0] = _mm512_permutexvar_epi8(idx[0], _mm512_loadu_si512(col));
       } else {
-        _mm_prefetch((const char*)(col + kPrefetch + 64), _MM_HINT_T0);
         const __m512i z0 = _mm512_loadu_si512(col), z1 = _mm512_loadu_si512(col + 64);
         for (int c = 0; c < C; ++c) t[c] = _mm512_permutex2var_epi8(z0, idx[c], z1);
       }
@@ -607,9 +611,11 @@ void block_rows(Path path, const Matrix& m, const Segment& s, int64_t b0, const 
                 float* acc) {
 #ifdef EDGE0_X86
   const bool wide = s.block == 64;
-  if (s.int8_order) {  // int8 only (run checks); the AVX2 kernel reads it, on AVX-512 too
+  if (s.int8_order) {  // int8 only (run checks)
     if (path.isa == kPortable) {
       q8_portable<R>(m, s, b0, x, acc);
+    } else if (path.isa == kAvx512) {
+      wide ? q8_avx512<2, R, true>(m, s, b0, x, acc) : q8_avx512<1, R, true>(m, s, b0, x, acc);
     } else {
       wide ? q8_avx2<2, R, true>(m, s, b0, x, acc) : q8_avx2<1, R, true>(m, s, b0, x, acc);
     }
@@ -617,7 +623,7 @@ void block_rows(Path path, const Matrix& m, const Segment& s, int64_t b0, const 
   }
   if (path.isa == kAvx512) {
     if (path.int8)
-      wide ? q8_avx512<2, R>(m, s, b0, x, acc) : q8_avx512<1, R>(m, s, b0, x, acc);
+      wide ? q8_avx512<2, R, false>(m, s, b0, x, acc) : q8_avx512<1, R, false>(m, s, b0, x, acc);
     else
       wide ? block_avx512<4, R>(m, s, b0, x, acc) : block_avx512<2, R>(m, s, b0, x, acc);
     return;
