@@ -219,8 +219,8 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
     experts_path = experts_for_host(
         path, layout, manifest.files.get(EXPERTS_FILE), host, opts.relayout, opts.cache_dir
     )
-    # Decode on the int8 AVX2 or AVX-512 kernel reads experts in their int8 order, put in as each is
-    # read, where the pool holds them all: read once, that costs ~40 us an expert at load.
+    # Decode on the int8 AVX2 or AVX-512 kernel reads experts in their int8 order, put in as
+    # each is read, where the pool holds them all: read once, that costs ~40 us an expert at load.
     # Under a cap every read would pay it again, on the cores that decode (a 1/3 cap on the
     # peer bench shape: 0.87x as fast), so there they stay as stored.
     int8_order = (
