@@ -288,6 +288,55 @@ def test_the_int8_order_is_its_reference_and_only_the_int8_paths_read_it():
         )
 
 
+def test_the_native_pair_fixup_is_torchs_on_every_bit_pattern():
+    """The pool's fix-up of a read's scale pairs (native.to_kernel_pairs) gives what
+    quant.to_kernel_pairs gives: every one of the 2^32 (scale, bias) bit patterns would be
+    too many, so every scale against a spread of biases, and every bias against a spread
+    of scales (zeros, subnormals, infinities, NaNs and rounding ties among them); a NaN
+    result is a NaN either way (its payload is not defined)."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    gen = torch.Generator().manual_seed(3)
+    some = torch.randint(-(1 << 15), 1 << 15, (11,), dtype=torch.int32, generator=gen)
+    special = torch.tensor([0, 1, -1, 0x7F80, 0x0080], dtype=torch.int16)  # 0, subnormal, NaN..
+    some = torch.cat([some.to(torch.int16), special])
+    scales = torch.cat([every.repeat_interleave(len(some)), some.repeat(1 << 16)])
+    biases = torch.cat([some.repeat(1 << 16), every.repeat_interleave(len(some))])
+    raw = torch.stack([scales, biases], -1).view(torch.bfloat16)  # [N, 2]
+    for n in (raw.shape[0], 7, 1):  # the vector loop, and tails shorter than a vector
+        want, got = raw[:n].clone(), raw[:n].clone()
+        quant.to_kernel_pairs(want)
+        native.to_kernel_pairs(got)
+        nan = want.isnan()
+        assert torch.equal(nan, got.isnan())
+        assert torch.equal(want.view(torch.int16)[~nan], got.view(torch.int16)[~nan])
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        native.to_kernel_pairs(raw.float())
+
+
+def test_the_engines_pool_fixes_pairs_natively_with_the_same_weights(tmp_path):
+    """A pool read finalized with the native fix-up holds the same bytes as one finalized
+    with the torch ops; the engine hands the pool the native one where its ops run."""
+    host = int4_layout.host_layout()
+    layout = ExtentLayout(128, 64).with_int4(host)
+    gen = torch.Generator().manual_seed(4)
+    gate, up = torch.randn(2, 64, 128, generator=gen).unbind()
+    buf = layout.pack(gate, up, torch.randn(128, 64, generator=gen))
+    a, b = buf.clone(), buf.clone()
+    layout.finalize(a)
+    layout.finalize(b, kernel_pairs=native.to_kernel_pairs)
+    assert torch.equal(a, b) and not torch.equal(a, buf)
+    engine = load_engine(builtin.model_dir(), EngineOptions(expert_kernel="fused"))
+    try:
+        assert engine.pool._kernel_pairs is native.to_kernel_pairs
+    finally:
+        engine.close()
+    engine = load_engine(builtin.model_dir(), EngineOptions(expert_kernel="torch"))
+    try:
+        assert engine.pool._kernel_pairs is quant.to_kernel_pairs
+    finally:
+        engine.close()
+
+
 def test_fake_quantized_activations_price_what_the_int8_kernels_compute():
     """edge0 eval's int8 arm multiplies the dequantized weights by the activations as the
     int8 kernels quantize them; that is their reference's product up to float sums and its

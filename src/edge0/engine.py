@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0 import decode, int4_layout, lora, memory, modeldir, native
+from edge0 import decode, int4_layout, lora, memory, modeldir, native, quant
 from edge0.loader import load_edge0_model
 from edge0.models.base import Forward
 from edge0.models.layers import CacheSnapshot, KVCache
@@ -229,12 +229,19 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
         and plan.holds_every_expert
         and native.int8_order_pays()
     )
+    # Each read's scale pairs turned into the kernel's in one native loop where the native ops
+    # run: as torch ops they cost ~85 us an expert of the peer bench shape, on the cores that
+    # decode while a prerouter's reads overlap the step.
+    kernel_pairs = quant.to_kernel_pairs
+    if opts.expert_kernel == "fused":
+        kernel_pairs = native.to_kernel_pairs
     pool = ExpertPool(
         ExpertFile(experts_path, opts.io_mode),
         layout.with_int4(host.in_int8_order() if int8_order else host),
         plan.pool_bytes,
         io_threads=opts.io_threads,
         reorder=native.put_in_int8_order if int8_order else None,
+        kernel_pairs=kernel_pairs,
     )
     prerouter = None
     if heads is not None:

@@ -7,6 +7,8 @@ they remove is the Python, the dispatch and the dtype round trips between that p
                                     region (int4_gemv.cpp; the reference: ~16 ops per expert)
   torch.ops.edge0.int4_gemv         one int4 projection of a few rows
   torch.ops.edge0.int8_order_       int4 codes put in the int8 kernels' order, in place
+  torch.ops.edge0.kernel_pairs_     quant.to_kernel_pairs in one loop, in place (a pool read's
+                                    fix-up, int4_gemv.cpp)
   torch.ops.edge0.attention_block   a decode token of one sequence through a decoder layer's
                                     norm, GQA attention, residual and post-attention norm
                                     (decode_ops.cpp; native/layer.py says which layers)
@@ -240,6 +242,14 @@ def put_in_int8_order(codes: torch.Tensor, own: Int4Layout) -> None:
     """Codes packed [N, K/2] in the arrangement `own`, put in its int8 order in place (the
     pool's reorder, ExtentLayout.finalize)."""
     int8_order_()(codes, layout_code(own))
+
+
+def to_kernel_pairs(pairs: torch.Tensor) -> None:
+    """quant.to_kernel_pairs, bit for bit, in one native loop (the pool's fix-up of each
+    expert it reads, ExtentLayout.finalize): contiguous bf16 (scale, bias) pairs [..., 2]
+    into (scale, zero), in place."""
+    _load(None)
+    torch.ops.edge0.kernel_pairs_(pairs)
 
 
 def int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:

@@ -10,8 +10,10 @@ staged it for the next token); only unpinned, finished entries are evicted.
 
 `layout` is what the pool hands out: its int4 arrangement must be the host kernel's, or
 that arrangement's int8 order (with the `reorder` that puts codes in it). The I/O thread
-finalizes each read into it, repacking the codes if the file was written in another
-arrangement (the engine normally avoids that with a once-per-machine copy).
+finalizes each read into it (`kernel_pairs` turns its stored scale pairs into the kernel's),
+repacking the codes if the file was written in another arrangement (the engine normally
+avoids that with a once-per-machine copy). Under a memory cap these threads share the cores
+that decode, so what they compute per read is kept small.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from edge0 import quant
 from edge0.int4_layout import Int4Layout
 from edge0.store.expert_file import ExpertFile
 from edge0.store.extents import ExpertTensors, ExtentLayout
@@ -102,6 +105,7 @@ class ExpertPool:
         capacity_bytes: int,
         io_threads: int = 4,
         reorder: Callable[[torch.Tensor, Int4Layout], None] | None = None,
+        kernel_pairs: Callable[[torch.Tensor], None] = quant.to_kernel_pairs,
     ):
         if layout.nbytes != file.extent_bytes:
             raise ValueError(
@@ -111,6 +115,7 @@ class ExpertPool:
         self.file = file
         self.layout = layout
         self._reorder = reorder  # a layout in the int8 order: ExtentLayout.finalize
+        self._kernel_pairs = kernel_pairs
         self.extent_bytes = layout.nbytes
         self.num_slots = capacity_bytes // self.extent_bytes
         if self.num_slots < 1:
@@ -271,7 +276,9 @@ class ExpertPool:
             got = self.file.read_run(layer, run[0].key[1], [self._views[en.slot] for en in run])
             dt = time.perf_counter_ns() - t0
             for en in run:
-                self.layout.finalize(self._slots[en.slot], self.file.int4, self._reorder)
+                self.layout.finalize(
+                    self._slots[en.slot], self.file.int4, self._reorder, self._kernel_pairs
+                )
             with self._lock:
                 self.stats.reads += 1
                 self.stats.loads += len(run)
