@@ -99,12 +99,22 @@ class ExtentLayout:
         reorder: Callable[[torch.Tensor, Int4Layout], None] | None = None,
         kernel_pairs: Callable[[torch.Tensor], None] = quant.to_kernel_pairs,
     ) -> None:
-        """Turn stored bytes into kernel form in place: (scale, bias) pairs into the kernel's
-        (scale, zero) with `kernel_pairs` (quant.to_kernel_pairs, or native.to_kernel_pairs:
-        the same bits in one loop), and codes written in the `stored` arrangement into this
-        layout's. A layout in the int8 order needs `reorder` (codes, their own arrangement),
-        which puts codes in it in place (native.put_in_int8_order)."""
-        t = self.views(buf)
+        """Turn stored bytes into kernel form in place: finalize_views on `buf`'s views."""
+        self.finalize_views(self.views(buf), stored, reorder, kernel_pairs)
+
+    def finalize_views(
+        self,
+        t: ExpertTensors,
+        stored: Int4Layout | None = None,
+        reorder: Callable[[torch.Tensor, Int4Layout], None] | None = None,
+        kernel_pairs: Callable[[torch.Tensor], None] = quant.to_kernel_pairs,
+    ) -> None:
+        """Turn the stored bytes under an extent's views into kernel form in place: (scale,
+        bias) pairs into the kernel's (scale, zero) with `kernel_pairs` (quant.to_kernel_pairs,
+        or native.to_kernel_pairs: the same bits in one loop), and codes written in the
+        `stored` arrangement into this layout's. A layout in the int8 order needs `reorder`
+        (codes, their own arrangement), which puts codes in it in place
+        (native.put_in_int8_order)."""
         kernel_pairs(t.p13)
         kernel_pairs(t.p2)
         own = self.int4.in_own_order()

@@ -131,6 +131,9 @@ class ExpertPool:
             memoryview(self._mem)[i * self.extent_bytes : (i + 1) * self.extent_bytes]
             for i in range(self.num_slots)
         ]
+        # each slot's tensor views, made at its first use: making them costs ~20 us (8 ATen
+        # view ops), once per read on the compute thread and once more on the reader before
+        self._tensors: list[ExpertTensors | None] = [None] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._entries: OrderedDict[tuple[int, int], Entry] = OrderedDict()  # LRU first
         self._pinned = 0  # entries with pins > 0, so available() is O(1)
@@ -244,7 +247,7 @@ class ExpertPool:
                 entry = Entry(
                     key=key,
                     slot=slot,
-                    tensors=self.layout.views(self._slots[slot]),
+                    tensors=self._slot_tensors(slot),
                     future=Future(),
                     pins=1,
                 )
@@ -259,6 +262,13 @@ class ExpertPool:
         self.stats.hits += 1
         self._pinned += entry.pins == 0
         entry.pins += 1
+
+    def _slot_tensors(self, slot: int) -> ExpertTensors:
+        """Under the lock: the views of a slot's extent (the same objects every time)."""
+        t = self._tensors[slot]
+        if t is None:
+            t = self._tensors[slot] = self.layout.views(self._slots[slot])
+        return t
 
     def _take_slot(self) -> int:
         if self._free:
@@ -276,8 +286,8 @@ class ExpertPool:
             got = self.file.read_run(layer, run[0].key[1], [self._views[en.slot] for en in run])
             dt = time.perf_counter_ns() - t0
             for en in run:
-                self.layout.finalize(
-                    self._slots[en.slot], self.file.int4, self._reorder, self._kernel_pairs
+                self.layout.finalize_views(
+                    en.tensors, self.file.int4, self._reorder, self._kernel_pairs
                 )
             with self._lock:
                 self.stats.reads += 1
@@ -340,7 +350,7 @@ class ExpertPool:
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
-        self._views = []
+        self._views, self._tensors = [], []
         self._slots = None
         self.file.close()
 
