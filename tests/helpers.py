@@ -81,6 +81,21 @@ def make_hf_model(
     return path
 
 
+def mapping_field(address: int, field: str) -> list[str]:
+    """A field (Rss, VmFlags, ...) of this process's mapping that holds `address`, from
+    /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(a, 16) for a in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == f"{field}:":
+                return line.split()[1:]
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

@@ -7,6 +7,7 @@ import pytest
 
 from edge0 import builtin
 from edge0.engine import EngineOptions, load_engine
+from helpers import mapping_field
 
 
 def decode_reads(engine, steps: int = 8) -> int:
@@ -17,6 +18,11 @@ def decode_reads(engine, steps: int = 8) -> int:
         for _ in range(steps):
             logits = engine.step(req, int(logits.argmax()))
     return engine.pool.stats.bytes_read - before
+
+
+def pool_rss(pool) -> int:
+    """Resident bytes of the mapping that holds the pool's slots."""
+    return int(mapping_field(pool._slots.data_ptr(), "Rss")[0]) << 10
 
 
 def test_an_uncapped_engine_holds_every_expert_before_its_first_token():
@@ -51,6 +57,7 @@ def test_a_pool_too_small_for_every_expert_is_not_preloaded():
     try:
         assert not engine.plan.holds_every_expert
         assert engine.pool.stats.bytes_read == 0  # load read nothing; decoding reads
+        assert pool_rss(engine.pool) >= engine.pool.capacity_bytes  # but its memory is in
         assert engine.plan.pool_bytes < experts_bytes and engine.plan.pool_bytes >= extent
         with pytest.raises(ValueError, match="cannot hold every expert"):
             engine.preload_experts()

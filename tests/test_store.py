@@ -15,6 +15,7 @@ from edge0.store.expert_file import ExpertFile, tensor_name
 from edge0.store.extents import ALIGN, ExtentLayout
 from edge0.store.pool import ExpertPool, PoolExhausted
 from edge0.store.writer import StreamingSafetensors
+from helpers import mapping_field
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
@@ -243,17 +244,27 @@ def test_a_peek_gives_loaded_experts_unpinned_and_keeps_them_recent(tmp_path):
 
 
 def vm_flags(address: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(maxsplit=1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(a, 16) for a in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise LookupError(f"no mapping holds {address:#x}")
+    return mapping_field(address, "VmFlags")
+
+
+def test_fault_in_backs_every_slot_with_memory_before_any_read(tmp_path):
+    """The pool's memory is resident once fault_in returns (so no slot's first read pays
+    its page faults during decode), and reads into those pages land exactly."""
+    layout, truth = write_extents(tmp_path / "x.safetensors")
+    pool = ExpertPool(ExpertFile(tmp_path / "x.safetensors", "direct"), layout, 8 << 20)
+    try:
+        address = pool._slots.data_ptr()
+        before = int(mapping_field(address, "Rss")[0]) << 10
+        pool.fault_in()
+        after = int(mapping_field(address, "Rss")[0]) << 10
+        assert after - before >= pool.capacity_bytes - (64 << 10)  # (a partial last page)
+        entries = pool.request(1, [0, 2, 3])
+        pool.wait(entries)
+        for en in entries:
+            assert torch.equal(pool._slots[en.slot], finalized(layout, truth[en.key]))
+        pool.release(entries)
+    finally:
+        pool.close()
 
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"

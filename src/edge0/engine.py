@@ -255,12 +255,14 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
             native=native_heads(opts),
         )
     engine = Engine(path, opts, manifest, model, plan, pool, prerouter, lora_meta, prerouter_meta)
-    if opts.preload and plan.holds_every_expert:
-        try:
+    try:
+        if opts.preload and plan.holds_every_expert:
             engine.preload_experts(progress=True)
-        except BaseException:
-            engine.close()
-            raise
+        else:  # its memory now, not on the decode step's cores at each slot's first read
+            pool.fault_in()
+    except BaseException:
+        engine.close()
+        raise
     return engine
 
 

@@ -142,6 +142,24 @@ class ExpertPool:
         self._io = single_threaded_pool(io_threads, "edge0-io")
         self.stats = PoolStats()
 
+    def fault_in(self) -> None:
+        """Back every slot with memory now, not at its first read.
+
+        A slot's first read faults its pages in on the I/O thread; with the huge pages the
+        pool asks for, the kernel may first have to reclaim and compact memory for each one
+        (~1.1 s per GiB measured here with the page cache full, 0.06 s with free huge pages).
+        During decode that cost lands on the two cores that compute, and page faults hold the
+        process's mmap lock, which the compute thread's allocations wait on: the first ~20
+        capped prerouter steps of the peer bench shape at K=2 took 25-83 ms against 12-24 ms
+        after the pool had filled. Paid here, at load, the budget is also resident from the
+        start, as the plan says it is. (A pool that preloads every expert faults in as it
+        reads; it needs no call.)
+        """
+        assert not self._entries, "fault_in zeroes the slots: call it before any read"
+        slots = self._slots
+        if slots is not None and slots.numel():
+            slots.view(-1)[:: mmap.PAGESIZE].fill_(0)  # a write per page; the rest is zero
+
     # -- occupancy ------------------------------------------------------------------------
 
     @property
