@@ -71,6 +71,11 @@ float dot_portable(const c10::Half* w, const float* x, int64_t n) {
 #define EDGE0_UNROLL _Pragma("GCC unroll 8")
 
 #ifdef EDGE0_X86
+// Software prefetch distance, in weights, along each weight row the vector kernels read: a
+// head's weights come from memory at every decode step (a step reads every head once), and
+// the hardware prefetcher alone left the op at ~11 GB/s.
+constexpr int64_t kAhead = 1024;
+
 // tree()'s additions over 16 lanes whose first step, (l, l + 8), gave s8: then (l, l + 4),
 // (l, l + 2), (l, l + 1), in registers.
 __attribute__((target("avx2"))) inline float tree_from_8(__m256 s8) {
@@ -97,6 +102,7 @@ __attribute__((target("avx2,f16c"))) void dots_avx2(const c10::Half* w, const fl
     EDGE0_UNROLL
     for (int64_t j = 0; j < m; ++j) {
       const c10::Half* wj = w + j * n + k;
+      _mm_prefetch(reinterpret_cast<const char*>(wj + m * n), _MM_HINT_T0);
       const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj)));
       const __m256 w1 =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 8)));
@@ -136,6 +142,7 @@ __attribute__((target("avx512f,avx2,f16c"))) void dots_avx512(const c10::Half* w
   for (int64_t k = 0; k < whole; k += kLanes)
     EDGE0_UNROLL
     for (int64_t j = 0; j < m; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + m) * n + k), _MM_HINT_T0);
       const __m512 wk =
           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * n + k)));
       EDGE0_UNROLL
