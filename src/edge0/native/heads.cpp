@@ -71,11 +71,6 @@ float dot_portable(const c10::Half* w, const float* x, int64_t n) {
 #define EDGE0_UNROLL _Pragma("GCC unroll 8")
 
 #ifdef EDGE0_X86
-// Software prefetch distance, in weights, along each weight row the vector kernels read: a
-// head's weights come from memory at every decode step (a step reads every head once), and
-// the hardware prefetcher alone left the op at ~11 GB/s.
-constexpr int64_t kAhead = 1024;
-
 // tree()'s additions over 16 lanes whose first step, (l, l + 8), gave s8: then (l, l + 4),
 // (l, l + 2), (l, l + 1), in registers.
 __attribute__((target("avx2"))) inline float tree_from_8(__m256 s8) {
@@ -89,6 +84,8 @@ __attribute__((target("avx2"))) inline float tree_from_8(__m256 s8) {
 // products in the same order, in registers (AVX2: lanes 0-7 and 8-15 in two vectors). A
 // weight row is converted once for all rows; several weight rows at once give the adds
 // chains that do not wait on each other (one row's chain is an add's latency per 16 weights).
+// A step reads every head once, from memory: the kernels prefetch the same place in the next
+// m weight rows, where the hardware prefetcher alone left a head at ~11 GB/s.
 template <int64_t rows, int64_t m>
 __attribute__((target("avx2,f16c"))) void dots_avx2(const c10::Half* w, const float* x,
                                                     int64_t n, float* out) {
