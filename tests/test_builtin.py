@@ -88,7 +88,22 @@ def test_generate_with_no_model_argument(capsys, tmp_path):
 
     assert "tok/s" in err and "blocked" in err
     s = json.loads(stats.read_text())
+    # every expert fits in memory: nothing to read ahead, so each layer's own router routes
+    assert s["prediction_routed_layers"] == 0 and s["dropped"] == 0
+
+
+def test_generate_under_a_budget_routes_by_the_prerouter(capsys, tmp_path):
+    """A budget whose pool holds some of the experts: the prerouter's predictions route 7
+    layers, and every routed expert was staged."""
+    stats = tmp_path / "s.json"
+    argv = ["generate", "--prompt", "def read_config(path):\n", "--max-tokens", "24"]
+    argv += ["--temperature", "0", "--max-context", "256", "--memory-budget", "28M"]
+    code = cli.main(argv + ["--stats-json", str(stats)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    s = json.loads(stats.read_text())
     assert s["prediction_routed_layers"] == 7 and s["dropped"] == 0
+    assert s["staged_experts"] > 0 and s["bytes_read"] > 0
 
 
 def test_chat_with_no_model_argument(capsys, monkeypatch):

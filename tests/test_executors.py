@@ -122,8 +122,8 @@ def test_only_a_pool_without_a_heads_thread_is_read_unpinned():
 
     for opts, sole in [
         (EngineOptions(no_prerouter=True), True),
-        (EngineOptions(heads_thread=False), True),
-        (EngineOptions(heads_thread=True), False),
+        (EngineOptions(heads_thread=False, prerouter_always=True), True),
+        (EngineOptions(heads_thread=True, prerouter_always=True), False),
     ]:
         engine = load_engine(builtin.model_dir(), opts)
         try:

@@ -429,8 +429,15 @@ def test_inspect_predicts_the_engines_allocation(tiny, which, active):
     path = tiny / "e0" if which == "tiny" else builtin.model_dir()
     budget = memory.parse_size("3M" if which == "tiny" else "64M")
     prefix = 0 if active == 1 else None
+    # the built-in model's heads, although its pool holds every expert at this budget
+    always = which == "builtin"
     r = inspect_dir(
-        path, memory_budget=budget, max_context=256, max_active=active, prefix_cache=prefix
+        path,
+        memory_budget=budget,
+        max_context=256,
+        max_active=active,
+        prefix_cache=prefix,
+        prerouter_always=always,
     )
     opts = EngineOptions(
         memory_budget=budget,
@@ -438,6 +445,7 @@ def test_inspect_predicts_the_engines_allocation(tiny, which, active):
         io_mode="buffered",
         max_active=active,
         prefix_cache=prefix,
+        prerouter_always=always,
     )
     engine = load_engine(path, opts)
     try:
@@ -456,13 +464,42 @@ def test_inspect_predicts_the_engines_allocation(tiny, which, active):
         if which == "builtin":
             assert f["adapter"] > 0 and f["heads"] > 0 and r.memory["staging_slots"] > 0
             # each active request keeps its staged sets pinned between its turns
-            one = inspect_dir(path, memory_budget=budget, max_context=256).memory
+            one = inspect_dir(
+                path, memory_budget=budget, max_context=256, prerouter_always=True
+            ).memory
             assert r.memory["staging_slots"] == active * one["staging_slots"]
             # the pool can hold every pin at once (at most every expert: pins share slots)
             every = r.memory["pool_slots"] == engine.config.num_experts * len(engine.moe_layers)
             assert every or r.memory["pool_slots"] >= r.memory["staging_slots"]
     finally:
         engine.close()
+
+
+def test_a_pool_of_every_expert_serves_no_prerouter_unless_asked():
+    """Where the pool holds every expert nothing is read ahead: the plan leaves the heads out
+    (no bytes, no staging, each layer's router routes) and the engine loads none; a pool of
+    some of them, or prerouter_always, serves them. inspect predicts each case."""
+    path = builtin.model_dir()
+    cases = [("64M", False, False), ("64M", True, True), ("28M", False, True)]
+    for budget, always, served in cases:
+        size = memory.parse_size(budget)
+        r = inspect_dir(path, memory_budget=size, max_context=256, prerouter_always=always)
+        opts = EngineOptions(
+            memory_budget=size, max_context=256, io_mode="buffered", prerouter_always=always
+        )
+        engine = load_engine(path, opts)
+        try:
+            plan = engine.plan
+            assert plan.prerouter is served and (engine.prerouter is not None) is served
+            assert (plan.floor.heads > 0) is served and (plan.staging_slots > 0) is served
+            assert plan.holds_every_expert is (budget == "64M")
+            assert r.memory == plan.as_dict() | {
+                "fits": True,
+                "predicted_peak_bytes": plan.total_bytes,
+                "state_source": r.memory["state_source"],
+            }
+        finally:
+            engine.close()
 
 
 def test_cli_json(tiny, capsys):

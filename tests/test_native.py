@@ -34,7 +34,11 @@ def greedy_logits(
     kernel: str, no_prerouter: bool, steps: int = 12, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     opts = EngineOptions(
-        io_mode="buffered", expert_kernel=kernel, no_prerouter=no_prerouter, dtype=dtype
+        io_mode="buffered",
+        expert_kernel=kernel,
+        no_prerouter=no_prerouter,
+        prerouter_always=not no_prerouter,
+        dtype=dtype,
     )
     engine = load_engine(builtin.model_dir(), opts)
     try:
@@ -481,7 +485,8 @@ def test_a_batched_steps_attention_is_the_module_paths_bit_for_bit():
     """step_rows of three requests at different positions (one its first decode token after a
     one-token prompt), 6 steps, with the rows' attention in one native call (attend_rows) and
     row by row in the module path: the same logits, bit for bit."""
-    engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered", max_active=8))
+    opts = EngineOptions(io_mode="buffered", max_active=8, prerouter_always=True)
+    engine = load_engine(builtin.model_dir(), opts)
     try:
         assert engine.attend_rows is not None
         tok = engine.tokenizer
@@ -517,7 +522,8 @@ def test_the_engine_prefills_bit_identically_with_the_native_experts(monkeypatch
     path: from 96 tokens here on both paths) and seven prompts in one batch, with and without
     RowExperts."""
     monkeypatch.setattr(executors, "ROWS_DENSE_MIN_TOKENS", executors.DENSE_MIN_TOKENS)
-    engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered", max_active=8))
+    opts = EngineOptions(io_mode="buffered", max_active=8, prerouter_always=True)
+    engine = load_engine(builtin.model_dir(), opts)
     try:
         assert engine.rows_experts is not None
         tok = engine.tokenizer

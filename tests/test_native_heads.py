@@ -114,7 +114,8 @@ def test_the_native_head_refuses_what_it_cannot_read():
 def test_served_heads_take_the_bytes_the_plan_counts(kernel):
     """The built-in model: with the native ops its heads are held as the file's fp16 (half
     of fp32), with the torch path stacked at the compute dtype; the plan counts either."""
-    engine = load_engine(builtin.model_dir(), EngineOptions(expert_kernel=kernel))
+    opts = EngineOptions(expert_kernel=kernel, prerouter_always=True)
+    engine = load_engine(builtin.model_dir(), opts)
     try:
         rt = engine.prerouter
         held = rt.native if kernel == "fused" else rt.heads

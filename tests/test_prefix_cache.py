@@ -54,7 +54,9 @@ def conversation(engine, sampling, turns=TURNS, max_tokens=10):
 
 @pytest.fixture(scope="module")
 def builtin_engines():
-    with_cache, without = engines(builtin.model_dir())
+    """The built-in model with its prerouter served (its pool holds every expert, where by
+    default an engine leaves the heads out)."""
+    with_cache, without = engines(builtin.model_dir(), prerouter_always=True)
     yield with_cache, without
     with_cache.close()
     without.close()
@@ -84,6 +86,23 @@ def test_a_conversation_is_the_same_with_and_without_reuse(builtin_engines, kind
     assert reused[0][1] == 0 and reused[1][1] >= first - MIN_PREFILL
     assert reused[2][1] > reused[1][1]
     assert with_cache.pool.available() == with_cache.pool.num_slots  # no pin outlives a request
+
+
+def test_gate_routed_decode_is_reused_with_the_prompt():
+    """The built-in model as served by default (every expert in its pool, so no prerouter):
+    its decode steps are gate-routed, exactly what a prefill of the same tokens computes, so
+    turn 2 restores turn 1's prompt and answer, and the answers are those without reuse."""
+    with_cache, without = engines(builtin.model_dir())
+    try:
+        assert with_cache.prerouter is None and with_cache.plan.holds_every_expert
+        reused = conversation(with_cache, KINDS["greedy"])
+        fresh = conversation(without, KINDS["greedy"])
+        assert [t for t, _ in reused] == [t for t, _ in fresh]
+        prompt1 = len(with_cache.tokenizer.encode(TURNS[0]))
+        assert reused[1][1] >= prompt1 + len(reused[0][0]) - 1 - MIN_PREFILL
+    finally:
+        with_cache.close()
+        without.close()
 
 
 @pytest.mark.parametrize("kind", KINDS)

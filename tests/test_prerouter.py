@@ -25,6 +25,8 @@ pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kerne
 
 LAYERS = 6
 GREEDY = SamplingParams(temperature=0)
+# the heads served although the pool holds every expert (by default it then serves none)
+HEADS = EngineOptions(prerouter_always=True)
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +177,29 @@ def test_no_prerouter_is_the_exact_path(dirs):
         off.close()
 
 
+def test_a_pool_of_every_expert_decodes_exactly_without_the_heads(dirs):
+    """By default an engine whose pool holds every expert loads no heads: it decodes what
+    no_prerouter decodes, bit for bit; one whose pool does not, or prerouter_always, stages."""
+    default = load_engine(dirs["pre"])
+    off = load_engine(dirs["pre"], EngineOptions(no_prerouter=True))
+    capped = load_engine(dirs["pre"], EngineOptions(expert_cache=(LAYERS + 1) * 2 * 8192))
+    try:
+        assert default.plan.holds_every_expert and default.prerouter is None
+        assert capped.prerouter is not None and not capped.plan.holds_every_expert
+        ids = prompt(default)
+        a = default.generate(ids, 20, GREEDY).drain()
+        b = off.generate(ids, 20, GREEDY).drain()
+        assert a.tokens == b.tokens and a.stats.staged_experts == 0
+        assert capped.generate(ids, 8, GREEDY).drain().stats.staged_experts > 0
+    finally:
+        for e in (default, off, capped):
+            e.close()
+
+
 def test_staged_decode_equals_the_same_routing_computed_exactly(dirs):
     """Element-wise: the engine's prediction-routed decode vs a reference forward on the
     dequantized experts, given the very same predicted logits."""
-    engine = load_engine(dirs["pre"])
+    engine = load_engine(dirs["pre"], HEADS)
     _, ref = load_edge0_model(dirs["pre"], experts="dequantized")
     ref.set_top_k(engine.top_k)
     try:
@@ -216,7 +237,7 @@ def test_teacher_forced_training_routes_as_the_engine_decodes(dirs, width):
     make the same routing decisions on the same tokens, on every MoE layer at every generated
     position; only a tie within numerical tolerance may break either way. Also with a stage
     width W = 4 > K = 2, where the consumers' routers pick among the staged experts."""
-    engine = load_engine(dirs["pre"], EngineOptions(stage_width=width))
+    engine = load_engine(dirs["pre"], EngineOptions(stage_width=width, prerouter_always=True))
     student = load_student(dirs["pre"], top_k=engine.top_k)
     k = engine.top_k
     ids = prompt(engine)
@@ -274,7 +295,7 @@ def test_teacher_forced_training_routes_as_the_engine_decodes(dirs, width):
 
 def engine_greedy(model_dir, width: int | None, n: int = 16) -> tuple[list[int], list[int], int]:
     """(prompt, the engine's greedy tokens at stage width `width`, its K)."""
-    engine = load_engine(model_dir, EngineOptions(stage_width=width))
+    engine = load_engine(model_dir, EngineOptions(stage_width=width, prerouter_always=True))
     try:
         ids = prompt(engine)
         return ids, engine.generate(ids, n, GREEDY).drain().tokens, engine.top_k
@@ -320,8 +341,8 @@ def test_zero_drops_over_a_long_generation(dirs):
 
 def test_request_outputs_do_not_depend_on_earlier_requests(dirs):
     ids_a, text_b = None, "class Point:"
-    fresh = load_engine(dirs["pre"])
-    used = load_engine(dirs["pre"])
+    fresh = load_engine(dirs["pre"], HEADS)
+    used = load_engine(dirs["pre"], HEADS)
     try:
         ids_a = prompt(used, "import os")
         used.generate(ids_a, 30, SamplingParams(temperature=1.0, seed=1)).drain()
@@ -341,7 +362,7 @@ def test_a_head_failing_on_the_heads_thread_fails_the_step(dirs):
     """Heads on their own thread at decode (asked for: on 2 cores they run inline); an error
     there must reach the caller of step, not be lost with the thread, and the engine must
     serve the next request."""
-    engine = load_engine(dirs["pre"], EngineOptions(heads_thread=True))
+    engine = load_engine(dirs["pre"], EngineOptions(heads_thread=True, prerouter_always=True))
     try:
         ids = prompt(engine)
         req = engine.new_request()
@@ -360,7 +381,7 @@ def test_a_head_failing_on_the_heads_thread_fails_the_step(dirs):
             engine.step(req, ids[-1])
         assert any(name.startswith("edge0-heads") for name in threads)
         engine.prerouter.predict = predict
-        fresh = load_engine(dirs["pre"])
+        fresh = load_engine(dirs["pre"], HEADS)
         try:
             a = engine.generate(ids, 5, GREEDY).drain().tokens
             assert a == fresh.generate(ids, 5, GREEDY).drain().tokens

@@ -42,6 +42,9 @@ from test_server import live_server, make_chat_model
 # -- the plan -----------------------------------------------------------------------------------
 
 EXTENT = 1024
+# These tests are about prediction-routed decode: the heads are served whatever the pool holds
+# (by default a pool of every expert serves none: make_plan)
+HEADS = {"prerouter_always": True}
 
 
 def sizes(**kw) -> ModelSizes:
@@ -60,20 +63,22 @@ def sizes(**kw) -> ModelSizes:
 
 
 def test_the_plan_counts_every_active_request():
-    one = make_plan(sizes(), EngineOptions(max_context=64, memory_budget=1 << 20))
-    three = make_plan(sizes(), EngineOptions(max_context=64, memory_budget=1 << 20, max_active=3))
+    one = make_plan(sizes(), EngineOptions(max_context=64, memory_budget=1 << 20, **HEADS))
+    three = make_plan(
+        sizes(), EngineOptions(max_context=64, memory_budget=1 << 20, max_active=3, **HEADS)
+    )
     assert one.floor.state == 6400 and three.floor.state == 3 * 6400
     assert one.staging_slots == (3 + 1) * 2 and three.staging_slots == 3 * one.staging_slots
     assert three.max_active == 3 and three.floor.prefix_cache == 0
     auto = make_plan(
-        sizes(), EngineOptions(max_context=64, memory_budget=1 << 20, prefix_cache=None)
+        sizes(), EngineOptions(max_context=64, memory_budget=1 << 20, prefix_cache=None, **HEADS)
     )
     assert auto.floor.prefix_cache == 6400  # "auto": one request's state at max_context
     assert auto.floor.total == one.floor.total + 6400
 
 
 def test_a_budget_too_small_for_the_active_requests_names_what_is_missing():
-    opts = dict(max_context=64, max_active=3, prefix_cache=5000)
+    opts = dict(max_context=64, max_active=3, prefix_cache=5000, **HEADS)
     fits = make_plan(sizes(), EngineOptions(**opts, memory_budget=1 << 20))
     exact = fits.floor.total + fits.staging_slots * EXTENT
     assert make_plan(sizes(), EngineOptions(**opts, memory_budget=exact)).pool_slots == 24
@@ -101,7 +106,8 @@ def engine():
     """The built-in model (it has prerouter heads: staged experts travel with each request),
     with small prompt chunks so that prompts take several turns."""
     e = load_engine(
-        builtin.model_dir(), EngineOptions(io_mode="buffered", max_active=3, prefill_chunk=8)
+        builtin.model_dir(),
+        EngineOptions(io_mode="buffered", max_active=3, prefill_chunk=8, **HEADS),
     )
     yield e
     e.close()
@@ -150,7 +156,8 @@ def test_requests_advanced_in_turns_get_their_solo_outputs(engine):
 def whole_prompts():
     """The built-in model with its default prompt chunk, and a prefix cache."""
     e = load_engine(
-        builtin.model_dir(), EngineOptions(io_mode="buffered", max_active=3, prefix_cache=None)
+        builtin.model_dir(),
+        EngineOptions(io_mode="buffered", max_active=3, prefix_cache=None, **HEADS),
     )
     yield e
     e.close()
@@ -249,7 +256,11 @@ def row_engines(tmp_path_factory):
         name: load_engine(
             path,
             EngineOptions(
-                io_mode="buffered", max_active=4, max_context=256, no_prerouter="no" in name
+                io_mode="buffered",
+                max_active=4,
+                max_context=256,
+                no_prerouter="no" in name,
+                prerouter_always=True,
             ),
         )
         for name, path in dirs.items()

@@ -50,8 +50,9 @@ def test_sigmoid_group_routing_among_allowed_experts():
 
 
 def test_the_plan_stages_w_experts_per_layer():
-    k_plan = make_plan(sizes(), EngineOptions(max_context=64, memory_budget=1 << 20))
-    wide = make_plan(sizes(), EngineOptions(max_context=64, memory_budget=1 << 20, stage_width=4))
+    opts = dict(max_context=64, memory_budget=1 << 20, prerouter_always=True)
+    k_plan = make_plan(sizes(), EngineOptions(**opts))
+    wide = make_plan(sizes(), EngineOptions(**opts, stage_width=4))
     assert k_plan.stage_width == 2 and wide.stage_width == 4
     assert wide.staging_slots == 2 * k_plan.staging_slots
     with pytest.raises(ValueError, match="stage_width 1 must be between top_k 2"):
@@ -61,7 +62,7 @@ def test_the_plan_stages_w_experts_per_layer():
 def test_a_pool_of_every_expert_takes_any_number_of_staged_sets():
     """3 requests staging 4 in 4 layers pin 48 sets' worth, but only 32 experts exist, and
     pins of one expert share its slot: a pool of all 32 serves them; 31 slots do not."""
-    opts = dict(max_context=64, max_active=3, stage_width=4)
+    opts = dict(max_context=64, max_active=3, stage_width=4, prerouter_always=True)
     plan = make_plan(sizes(), EngineOptions(expert_cache=32 * EXTENT, **opts))
     assert plan.staging_slots == 48 and plan.pool_slots == 32
     with pytest.raises(ValueError, match="holds 31 of the 32 experts"):
@@ -71,7 +72,8 @@ def test_a_pool_of_every_expert_takes_any_number_of_staged_sets():
 @pytest.mark.parametrize("factor", [1.5, 2])
 def test_the_router_picks_among_the_staged_experts(factor):
     width = int(factor * modeldir.Manifest.load(builtin.model_dir()).served_top_k)
-    engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered", stage_width=width))
+    opts = EngineOptions(io_mode="buffered", stage_width=width, prerouter_always=True)
+    engine = load_engine(builtin.model_dir(), opts)
     k = engine.top_k
     assert engine.prerouter.wide and engine.plan.stage_width == width > k
     inside = outside = 0

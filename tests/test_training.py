@@ -138,8 +138,9 @@ def test_teacher_learned_something(pipeline):
 
 def test_eval_table_has_every_arm(pipeline):
     labels = [r["arm"] for r in pipeline["eval"]["arms"]]
-    # 6 + int8 activations, and W = 1.5K, 2K (+ phase 3)
-    assert labels[0].startswith("teacher") and len(labels) == 7 + 4
+    # 6 + int8 activations + gate routing with the phase-3 LoRA, and W = 1.5K, 2K (+ phase 3)
+    assert labels[0].startswith("teacher") and len(labels) == 8 + 4
+    assert labels[7].startswith("gate routing, served K") and "phase 3" in labels[7]
     assert labels[2].endswith("int8 activations")  # this model's floor is int4: no floor arm
     teacher = pipeline["eval"]["arms"][0]
     assert teacher["kl_teacher_arm"] == pytest.approx(0.0, abs=1e-6)

@@ -258,6 +258,11 @@ def add_inspect_parser(sub) -> None:
         help="prefix cache bytes, as `edge0 serve --prefix-cache` ('auto': one request's "
         "state; default 0)",
     )
+    p.add_argument(
+        "--prerouter-always",
+        action="store_true",
+        help="plan the prerouter also where the pool holds every expert, as the engine flag",
+    )
     p.set_defaults(func=cmd_inspect)
 
 
@@ -272,6 +277,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         max_active=args.max_active,
         prefix_cache=args.prefix_cache,
+        prerouter_always=args.prerouter_always,
     )
     print(
         json.dumps(report.as_dict(), indent=2) if args.json else with_flags(format_report(report))

@@ -29,6 +29,7 @@ FLAGS = {
     "stage_width": "--stage-width",
     "max_tokens": "--max-tokens",
     "no_prerouter": "--no-prerouter",
+    "prerouter_always": "--prerouter-always",
     "no_lora": "--no-lora",
     "lora_any_base": "--lora-any-base",
 }
@@ -196,6 +197,12 @@ def add_engine_args(
         help="route every layer by its own router (the exact path)",
     )
     g.add_argument(
+        "--prerouter-always",
+        action="store_true",
+        help="serve the prerouter also where the pool holds every expert (by default such "
+        "an engine routes every layer by its own router: nothing is read ahead)",
+    )
+    g.add_argument(
         "--lora",
         type=Path,
         default=None,
@@ -237,6 +244,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         dtype=getattr(torch, args.dtype),
         prerouter=args.prerouter,
         no_prerouter=args.no_prerouter,
+        prerouter_always=args.prerouter_always,
         lora=args.lora,
         no_lora=args.no_lora,
         preload=not args.no_preload,

@@ -15,8 +15,9 @@
 Requests share the expert pool (that is the cache) and, through the prefix cache, copies of
 the state of tokens they have in common, so no output depends on an earlier request. Prefill
 runs every layer on the whole-layer path; at decode, prediction-routed layers run on what was
-staged for them and the rest on the exact path. Without a prerouter (or with no_prerouter)
-every layer is gate-routed and exact.
+staged for them and the rest on the exact path. Without a prerouter (or with no_prerouter,
+or where the pool holds every expert, unless prerouter_always) every layer is gate-routed and
+exact.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def load_engine(path: Path | str, options: EngineOptions | None = None) -> Engin
 
     heads, prerouter_meta = None, {}
     heads_path = opts.prerouter or path / modeldir.PREROUTER_FILE
-    if not opts.no_prerouter and (opts.prerouter is not None or heads_path.exists()):
+    if plan.prerouter:  # (not where the pool holds every expert: make_plan)
         cfg = model.config
         heads, prerouter_meta = Prerouter.load(  # fp16 as stored: only stacked below
             heads_path, cfg.hidden_size, cfg.num_experts, model.moe_layers, torch.float16

@@ -13,7 +13,10 @@ Arms (each adds one thing to the one above it):
   int4 served K        ... serving K experts per token
   + prerouter          ... consumer layers routed by the heads' predictions
   + LoRA (phase 2)     ... with the SFT adapter
-  + LoRA (phase 3)     ... with the on-policy adapter: the served model
+  + LoRA (phase 3)     ... with the on-policy adapter: the served model where the pool reads
+  gate routing + LoRA  "int4 served K" with the phase-3 adapter: the model served where the
+                       pool holds every expert (no prerouter there: EngineOptions
+                       .prerouter_always)
   W=N arms             the prerouter stages N > K experts and each consumer's router picks
                        its K among them (`--stage-width N`), without and with the phase-3
                        LoRA; N = 1.5K and 2K unless `stage_widths` says otherwise
@@ -109,6 +112,10 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
                 s = load_student(model_dir, top_k=served_k, heads=cfg.prerouter, lora_file=path)
                 out.append((label, (lambda st: lambda t: st.forward(t, 1))(s)))
                 opd = s if label == "+ phase 3" else opd
+        if cfg.lora_opd is not None:
+            gate = load_student(model_dir, top_k=served_k, heads=False, lora_file=cfg.lora_opd)
+            label = f"gate routing, served K={served_k}, + phase 3 (every expert in memory)"
+            out.append((label, lambda t: gate.forward(t, 1)))
         for w in stage_widths(cfg, served_k, pre.model.config.num_experts):
             out.append((f"W={w}: prerouter stages {w}, router picks K", _wide(pre, w)))
             if opd is not None:  # the same phase-3 model, routed at W

@@ -231,6 +231,7 @@ def inspect_dir(
     max_context: int = 4096,
     max_active: int = 1,
     prefix_cache: int | None = 0,
+    prerouter_always: bool = False,
 ) -> Report:
     """Inspect a Hugging Face, MLX or edge0 directory without reading tensor data; the memory
     prediction is the serving plan for these options (EngineOptions' fields of the same name)."""
@@ -329,6 +330,7 @@ def inspect_dir(
             max_context=max_context,
             max_active=max_active,
             prefix_cache=prefix_cache,
+            prerouter_always=prerouter_always,
         )
         int4_bytes, int4_params = int4_resident(path, raw, fmt, tensors)
         report.memory = predict_memory(

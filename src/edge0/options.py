@@ -53,6 +53,10 @@ class EngineOptions:
     # thread only where a core is left beside the intra-op threads (None)
     heads_thread: bool | None = None
     no_prerouter: bool = False  # gate-route every layer: the exact path, no heads, no slots
+    # serve the prerouter also where the pool holds every expert; by default such an engine
+    # leaves it out (nothing is read ahead there, and each layer's own router is the exact
+    # routing: on the built-in model KL 0.0085 to the teacher against 0.0203, and faster)
+    prerouter_always: bool = False
     lora: Path | None = None  # adapter file (default: MODEL_DIR/lora.safetensors if any)
     no_lora: bool = False  # serve the base projections only
     # read every expert into the pool at load when the pool holds them all (the first tokens

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -74,6 +74,7 @@ class ServingPlan:
     stage_width: int  # experts staged per prediction-routed layer (K: prediction is routing)
     experts_bytes: int  # every routed expert, on disk
     memory_budget: int | None
+    prerouter: bool = False  # the heads are served: their consumers are prediction-routed
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -113,7 +114,26 @@ def make_plan(
     sizes: ModelSizes, options: EngineOptions, mem_available: int | None = None
 ) -> ServingPlan:
     """The plan for serving a model of `sizes` with `options`. Raises ValueError naming the
-    option and the missing bytes when the budget cannot hold the floor and what decode pins."""
+    option and the missing bytes when the budget cannot hold the floor and what decode pins.
+
+    A pool that holds every expert with the heads served is planned again without them
+    (unless options.prerouter_always): with nothing to read ahead the heads only cost time,
+    and each layer's own router routes exactly (`prerouter` False in the plan)."""
+    if sizes.head_params and options.memory_budget is None and options.expert_cache is None:
+        # the same free memory for both plans
+        mem_available = memory.mem_available() if mem_available is None else mem_available
+    plan = _plan(sizes, options, mem_available)
+    if plan.prerouter and plan.holds_every_expert and not options.prerouter_always:
+        bare = replace(sizes, head_params=0, prediction_routed_layers=0)
+        plan = _plan(bare, options, mem_available)
+        plan.notes.append(
+            "the pool holds every expert: no prerouter (each layer's router routes; "
+            "prerouter_always serves it anyway)"
+        )
+    return plan
+
+
+def _plan(sizes: ModelSizes, options: EngineOptions, mem_available: int | None) -> ServingPlan:
     k = resolve_top_k(options.top_k, sizes.served_top_k, sizes.native_top_k)
     if not 1 <= k <= sizes.experts_per_layer:
         raise ValueError(f"top_k {k} must be between 1 and {sizes.experts_per_layer}")
@@ -193,6 +213,7 @@ def make_plan(
         stage_width=width,
         experts_bytes=all_slots * extent,
         memory_budget=options.memory_budget,
+        prerouter=sizes.prediction_routed_layers > 0,
         notes=notes,
     )
 

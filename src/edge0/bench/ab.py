@@ -157,6 +157,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
             expert_cache=cfg.expert_cache if capped else expert_bytes,
             prerouter=heads if with_heads else None,
             no_prerouter=not with_heads,
+            prerouter_always=with_heads,
         )
         if capped and cfg.expert_cache is None:
             opts.memory_budget = cfg.memory_cap - RUNTIME_RESERVE

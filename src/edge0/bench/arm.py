@@ -33,6 +33,7 @@ def run(spec: dict) -> dict:
         io_threads=spec["io_threads"],
         no_prerouter=arm != "prerouter",
         prerouter=Path(spec["prerouter"]) if arm == "prerouter" else None,
+        prerouter_always=arm == "prerouter",  # the arm's point, whatever the pool holds
         no_lora=variant == "nolora",
         expert_kernel="torch" if variant == "torch" else EngineOptions.expert_kernel,
         int4_activations=variant if variant in INT4_ACTIVATIONS else EngineOptions.int4_activations,

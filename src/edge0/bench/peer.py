@@ -228,6 +228,7 @@ def run_peer(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> dict:
                 max_context=n_ctx,
                 prerouter=cfg.prerouter,
                 no_prerouter=engine in ("edge0-ondemand", "edge0-int8"),
+                prerouter_always=engine == "edge0-prerouter",
             )
             try:
                 plan_for_dir(models.edge0, opts)

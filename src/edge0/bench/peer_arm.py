@@ -99,6 +99,7 @@ def edge0_steps(spec: dict):
         max_context=spec["n_ctx"],
         prerouter=Path(spec["prerouter"]) if spec["prerouter"] else None,
         no_prerouter=spec["engine"] in ("edge0-ondemand", "edge0-int8"),
+        prerouter_always=spec["engine"] == "edge0-prerouter",
         int4_activations="int8" if spec["engine"] == "edge0-int8" else "bf16",
     )
     engine = load_engine(spec["model"], opts)
