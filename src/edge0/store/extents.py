@@ -117,7 +117,8 @@ class ExtentLayout:
         (native.put_in_int8_order)."""
         kernel_pairs(t.p13)
         kernel_pairs(t.p2)
-        own = self.int4.in_own_order()
+        # (in_own_order makes a new layout: ~5 us, for every read of a pool)
+        own = self.int4.in_own_order() if self.int4.int8_order else self.int4
         if stored is not None and stored != own:
             self.relayout_codes(t, stored, own)
         if self.int4.int8_order:
