@@ -158,7 +158,13 @@ class ExpertPool:
         assert not self._entries, "fault_in zeroes the slots: call it before any read"
         slots = self._slots
         if slots is not None and slots.numel():
+            t0 = time.perf_counter()
             slots.view(-1)[:: mmap.PAGESIZE].fill_(0)  # a write per page; the rest is zero
+            log.info(
+                "expert pool of %.0f MiB in memory in %.2f s",
+                self.capacity_bytes / 2**20,
+                time.perf_counter() - t0,
+            )
 
     # -- occupancy ------------------------------------------------------------------------
 
