@@ -74,8 +74,12 @@ class ServingPlan:
     stage_width: int  # experts staged per prediction-routed layer (K: prediction is routing)
     experts_bytes: int  # every routed expert, on disk
     memory_budget: int | None
-    prerouter: bool = False  # the heads are served: their consumers are prediction-routed
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def prerouter(self) -> bool:
+        """The heads are served: their consumers are prediction-routed (and stage)."""
+        return self.staging_slots > 0
 
     @property
     def pool_bytes(self) -> int:
@@ -119,9 +123,8 @@ def make_plan(
     A pool that holds every expert with the heads served is planned again without them
     (unless options.prerouter_always): with nothing to read ahead the heads only cost time,
     and each layer's own router routes exactly (`prerouter` False in the plan)."""
-    if sizes.head_params and options.memory_budget is None and options.expert_cache is None:
-        # the same free memory for both plans
-        mem_available = memory.mem_available() if mem_available is None else mem_available
+    if mem_available is None and options.memory_budget is None and options.expert_cache is None:
+        mem_available = memory.mem_available()  # the same free memory for both plans
     plan = _plan(sizes, options, mem_available)
     if plan.prerouter and plan.holds_every_expert and not options.prerouter_always:
         bare = replace(sizes, head_params=0, prediction_routed_layers=0)
@@ -213,7 +216,6 @@ def _plan(sizes: ModelSizes, options: EngineOptions, mem_available: int | None) 
         stage_width=width,
         experts_bytes=all_slots * extent,
         memory_budget=options.memory_budget,
-        prerouter=sizes.prediction_routed_layers > 0,
         notes=notes,
     )
 
