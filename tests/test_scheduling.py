@@ -384,16 +384,41 @@ def four_in_one_forward(engine, steps: int) -> tuple[torch.Tensor, list]:
     return torch.stack(logits), staged
 
 
-def test_a_steps_experts_in_one_call_are_each_rows_own(row_engines, monkeypatch):
+@pytest.mark.parametrize("name", ["builtin", "builtin, no prerouter"])
+def test_a_steps_experts_in_one_call_are_each_rows_own(row_engines, monkeypatch, name):
     """A forward of 4 requests' decode steps computes every row's experts in one native call
     (rows_together), from the experts each row's executor pinned: the logits are those of the
-    same forward with each row's experts computed by its own executor, bit for bit."""
-    engine = row_engines["builtin"]
+    same forward with each row's experts computed by its own executor, bit for bit. Gate-routed
+    rows on the pool's one requesting thread use their loaded experts unpinned, as one row
+    alone does (ExpertPool.peek), and count the same hits."""
+    engine = row_engines[name]
     assert engine.rows_experts is not None and len(FOUR) >= ROWS_TOGETHER
+    requests, stepping = [], []
+    request, step_rows = engine.pool.request, engine.step_rows
+
+    def steps(*a):
+        stepping.append(True)
+        try:
+            return step_rows(*a)
+        finally:
+            stepping.pop()
+
+    def requested(*a):
+        if stepping:
+            requests.append(a)
+        return request(*a)
+
+    monkeypatch.setattr(engine, "step_rows", steps)
+    monkeypatch.setattr(engine.pool, "request", requested)
+    hits = engine.pool.stats.hits
     together = four_in_one_forward(engine, 4)
+    hits, together_hits = engine.pool.stats.hits, engine.pool.stats.hits - hits
+    # without a prerouter every expert is loaded (the pool holds them all): none requested
+    assert bool(requests) == (name == "builtin")
     monkeypatch.setattr(engine, "rows_experts", None)
     each_row = four_in_one_forward(engine, 4)
     assert torch.equal(together[0], each_row[0]) and together[1] == each_row[1]
+    assert together_hits == engine.pool.stats.hits - hits
     assert engine.pool.available() == engine.pool.num_slots
 
 

@@ -237,11 +237,15 @@ class ExpertPool:
             self._io.submit(self._load_run, layer, run)
         return out
 
-    def peek(self, layer: int, experts: Sequence[int]) -> list[ExpertTensors] | None:
+    def peek(
+        self, layer: int, experts: Sequence[int], uses: int | None = None
+    ) -> list[ExpertTensors] | None:
         """The tensors of `layer`'s experts if every one is loaded, each made the most
         recently used, without pinning them; else None (request them). Only for a caller on
         the one thread that requests from this pool, which uses them before it requests
-        again: evicting happens in request(), so nothing can take their slots meanwhile."""
+        again: evicting happens in request(), so nothing can take their slots meanwhile.
+        `uses`: the hits to count (default one an expert; several requests' rows count each
+        row's own)."""
         with self._lock:
             get = self._entries.get
             present = [get((layer, e)) for e in experts]
@@ -250,7 +254,7 @@ class ExpertPool:
             move = self._entries.move_to_end
             for entry in present:
                 move(entry.key)
-            self.stats.hits += len(present)
+            self.stats.hits += len(present) if uses is None else uses
         return [en.tensors for en in present]
 
     def _pin(self, keys: list[tuple[int, int]]) -> tuple[list[Entry], list[Entry]]:

@@ -276,25 +276,53 @@ def rows_together(
     reads) what it would alone, then every row's experts run in one call of the native op
     (an expert two rows share, once for both) -> [B, K, D]. Each row's result is what its
     executor computes alone, bit for bit (the op's rows are swiglu_int4's, which
-    FusedExperts computes too)."""
+    FusedExperts computes too). Where every row is gate-routed on the pool's one requesting
+    thread and every expert is loaded, they are used unpinned (ExpertPool.peek), as one such
+    row's own step uses them. The routing's places are grouped in Python: a decode forward
+    has B * K of them, and the sort, count and splits of a prefill's _Slots cost more."""
+    routed = indices.tolist()
+    k = len(routed[0])
+    places: dict[int, list[int]] = {}
+    for p, e in enumerate(e for row in routed for e in row):
+        places.setdefault(e, []).append(p)
     pinned = []
     try:
-        tensors: dict[int, ExpertTensors] = {}
-        for i, ex in enumerate(executors):
-            got, entries = ex.pin(x[i : i + 1], indices[i : i + 1])
-            pinned.append((ex.pool, entries))
-            tensors.update(got)  # an expert's tensors are its pool slot's, whoever pinned it
-        slots = _Slots(indices)
-        groups, places = [], []
+        tensors = _peek_rows(executors, routed, places)
+        if tensors is None:
+            tensors = {}
+            for i, ex in enumerate(executors):
+                got, entries = ex.pin(x[i : i + 1], indices[i : i + 1])
+                pinned.append((ex.pool, entries))
+                tensors.update(got)  # an expert's tensors are its pool slot's, whoever pinned it
+        groups, order = [], []
         for e, t in tensors.items():
-            groups.append((slots.tokens(e), t))
-            places.append(slots.places(e))
+            groups.append((torch.tensor([p // k for p in places[e]]), t))
+            order += places[e]
         out = x.new_empty(*indices.shape, x.shape[-1])
-        out.view(-1, x.shape[-1])[torch.cat(places)] = rows(x, groups).to(x.dtype)
+        computed = rows(x, groups).to(x.dtype)
+        out.view(-1, x.shape[-1]).index_copy_(0, torch.tensor(order), computed)
         return out
     finally:
         for pool, entries in pinned:
             pool.release(entries)
+
+
+def _peek_rows(
+    executors: list, routed: list[list[int]], places: dict[int, list[int]]
+) -> dict[int, ExpertTensors] | None:
+    """Every routed expert's tensors, unpinned, where each row's executor may use them so
+    (gate-routed, `sole`, one pool and layer) and every one is loaded; else None. Each row's
+    experts count as its hits, as its own request would count them."""
+    first = executors[0]
+    if not all(
+        type(ex) is ExactExecutor and ex.sole and ex.pool is first.pool and ex.layer == first.layer
+        for ex in executors
+    ):
+        return None
+    experts = sorted(places)
+    uses = sum(len(set(row)) for row in routed)
+    got = first.pool.peek(first.layer, experts, uses)
+    return None if got is None else dict(zip(experts, got, strict=True))
 
 
 class PrefillPlan:
