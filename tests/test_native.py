@@ -481,37 +481,90 @@ def test_int8_activations_are_checked_and_the_torch_path_is_bf16():
         engine.close()
 
 
-def test_a_batched_steps_attention_is_the_module_paths_bit_for_bit():
+def rows_logits(engine, steps: int = 6) -> list[torch.Tensor]:
     """step_rows of three requests at different positions (one its first decode token after a
-    one-token prompt), 6 steps, with the rows' attention in one native call (attend_rows) and
-    row by row in the module path: the same logits, bit for bit."""
+    one-token prompt), greedy: every row's logits of every step. (Token ids past a small
+    vocabulary wrap around.)"""
+    tok, vocab = engine.tokenizer, engine.model.config.vocab_size
+    texts = ["def read_config(path):", "import os\n" * 9]
+    prompts = [[t % vocab for t in tok.encode(text)] for text in texts] + [[7]]
+    reqs = [engine.new_request() for _ in prompts]
+    try:
+        first = [engine.prefill(r, ids) for r, ids in zip(reqs, prompts, strict=True)]
+        tokens = [int(x.argmax()) for x in first]
+        out = []
+        for _ in range(steps):
+            step = engine.step_rows(reqs, tokens)
+            tokens = [int(x.argmax()) for x in step]
+            out += step
+        return out
+    finally:
+        for r in reqs:
+            r.release()
+
+
+def test_a_batched_steps_attention_is_the_module_paths_bit_for_bit():
+    """A batched step's attention in one native call (attend_rows) and row by row in the
+    module path (the decoder layers' own forwards): the same logits, bit for bit."""
     opts = EngineOptions(io_mode="buffered", max_active=8, prerouter_always=True)
     engine = load_engine(builtin.model_dir(), opts)
     try:
         assert engine.attend_rows is not None
-        tok = engine.tokenizer
-        prompts = [tok.encode("def read_config(path):"), tok.encode("import os\n" * 9), [7]]
+        layers, engine._layers = engine._layers, {}
+        native_rows = rows_logits(engine)
+        op, engine.attend_rows = engine.attend_rows, None
+        reference = rows_logits(engine)
+        engine.attend_rows, engine._layers = op, layers
+        assert all(torch.equal(a, b) for a, b in zip(native_rows, reference, strict=True))
+    finally:
+        engine.close()
 
-        def logits() -> list[torch.Tensor]:
-            reqs = [engine.new_request() for _ in prompts]
-            try:
-                first = [engine.prefill(r, ids) for r, ids in zip(reqs, prompts, strict=True)]
-                tokens = [int(x.argmax()) for x in first]
-                out = []
-                for _ in range(6):
-                    step = engine.step_rows(reqs, tokens)
-                    tokens = [int(x.argmax()) for x in step]
-                    out += step
-                return out
-            finally:
-                for r in reqs:
-                    r.release()
 
-        native_rows = logits()
-        op = engine.attend_rows
-        engine.attend_rows = None
-        reference = logits()
-        engine.attend_rows = op
+@pytest.mark.parametrize(
+    "model, dtype, activations",
+    [
+        ("builtin", torch.float32, "bf16"),
+        ("int4", torch.float32, "bf16"),
+        ("int4", torch.bfloat16, "bf16"),
+        ("int4", torch.float32, "int8"),
+    ],
+    ids=["builtin", "int4", "int4-bf16", "int4-int8"],
+)
+def test_a_batched_steps_layers_are_the_module_paths_bit_for_bit(
+    int4_model, model, dtype, activations
+):
+    """A batched step's decoder layers through the native ops (attention_rows for every row's
+    norms and attention, then the block's routing and experts for all rows) and through the
+    modules' own forwards: the same logits, bit for bit, on the built-in model (float
+    projections under LoRA, predictions as routing) and on one with int4 q/k/v/o and q/k norm
+    per head, in either compute dtype. With int8 activations the rows' projections take
+    torch's int4 kernel's path, as the module path's do."""
+    path = builtin.model_dir() if model == "builtin" else int4_model
+    opts = EngineOptions(
+        io_mode="buffered",
+        max_active=8,
+        dtype=dtype,
+        int4_activations=activations,
+        prerouter_always=model == "builtin",
+    )
+    engine = load_engine(path, opts)
+    try:
+        layers = engine._layers
+        assert sorted(layers) == list(range(len(engine.model.backbone.layers)))
+        calls = []
+        for layer in layers.values():
+            op = layer.rows_op
+
+            def counted(x, *args, op=op):
+                calls.append(x.shape[0])
+                return op(x, *args)
+
+            layer.rows_op = counted
+        native_rows = rows_logits(engine)
+        assert calls == [3] * len(layers) * 6
+        engine._layers = {}
+        reference = rows_logits(engine)
+        engine._layers = layers
         assert all(torch.equal(a, b) for a, b in zip(native_rows, reference, strict=True))
     finally:
         engine.close()

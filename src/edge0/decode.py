@@ -61,17 +61,18 @@ def step_rows(
     executors: list[dict[int, Executor]],
     together: Callable | None = None,
     attend_rows: Callable | None = None,
+    layers: dict | None = None,
 ) -> torch.Tensor:
     """One decode step of B requests in one forward, a token [B, 1] each, with their own
     caches, prediction states and executors -> logits [B, V]: each row's as step() gives it
     alone, up to the rounding of matmuls over B rows instead of one (see RowsForward).
-    `together` computes a layer's experts for all rows, `attend_rows` their attention
-    (RowsForward)."""
+    `together` computes a layer's experts for all rows, `attend_rows` their attention,
+    `layers` stands in for decoder layers (RowsForward)."""
     rows = [step_forward(*a) for a in zip(caches, pres, executors, strict=True)]
     observer = None
     if all(pre is not None for pre in pres):  # each owner's head once over the rows
         observer = functools.partial(observe_rows, pres)
-    fwd = RowsForward(rows, observer, together, attend_rows)
+    fwd = RowsForward(rows, observer, together, attend_rows, layers)
     logits = model(tokens, fwd, last_only=True)[:, -1]
     for pre in pres:
         if pre is not None:

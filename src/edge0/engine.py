@@ -527,6 +527,7 @@ class Engine:
             [r.decode for r in reqs],
             together,
             self.attend_rows,
+            self._layers,
         ).float()
         self._after_steps(reqs, tokens, exact)
         return list(logits)

@@ -88,7 +88,8 @@ class RowsForward(Forward):
     each row's own (the prerouter's heads then run once over the rows). `together`, if
     given, computes a layer's experts for all rows at once, as together(the rows' executors,
     x, indices), where every row's executor can `pin` its experts for it. `attend_rows`, if
-    given, is the native op that runs the rows' attention in one call (RowCaches)."""
+    given, is the native op that runs the rows' attention in one call (RowCaches); `layers`,
+    the stand-ins for decoder layers that take such a forward's rows (native/layer.py)."""
 
     def __init__(
         self,
@@ -96,12 +97,13 @@ class RowsForward(Forward):
         observer: RoutingObserver | None = None,
         together: Callable[[list, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         attend_rows: Callable | None = None,
+        layers: dict[int, Callable] | None = None,
     ):
         # the rows are one engine's requests: the same layers are predicted or restricted in
         # every row, or in none
         assert all(f.predicted.keys() == rows[0].predicted.keys() for f in rows)
         assert all(f.allowed.keys() == rows[0].allowed.keys() for f in rows)
-        super().__init__(RowCaches([f.cache for f in rows], attend_rows))
+        super().__init__(RowCaches([f.cache for f in rows], attend_rows), layers=layers)
         self.rows, self.observer, self.together = rows, observer, together
         self.predicted = {k: torch.cat([f.predicted[k] for f in rows]) for k in rows[0].predicted}
         self.allowed = {k: torch.cat([f.allowed[k] for f in rows]) for k in rows[0].allowed}

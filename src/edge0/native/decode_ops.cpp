@@ -1,7 +1,8 @@
 // Native decode ops: the operations of a pure-PyTorch path, in the same order, in one call.
 //
-// edge0::attention_block: one decode token of one sequence through a decoder layer's norm,
-// GQA attention, residual and post-attention norm (the reference: models/blocks.py
+// edge0::attention_block and edge0::attention_rows: one decode token of one sequence (of each
+// of B sequences) through a decoder layer's norm, GQA attention, residual and post-attention
+// norm (the reference: models/blocks.py
 // DecoderLayer.forward with models/layers.py Attention.forward), see below. Its int4
 // projections go through edge0::int4_gemv (int4_gemv.cpp), which computes what torch's int4
 // kernel computes bit for bit; its norms, rotary and residual are loops that round where the
@@ -125,43 +126,56 @@ void norm_in_place(at::Tensor& rows, const at::Tensor& weight, double eps, int64
                        rows.numel() / n, n, static_cast<float>(eps), lanes, bf16);
 }
 
-// edge0::attention_block: blocks.py DecoderLayer's attention half for one decode token of
-// one sequence, x [1, 1, D] -> (x + attention(norm(x)), post_norm(that)), in fp32 or bf16
-// (every tensor in x's dtype). The attention is layers.py Attention.forward with q/k RMSNorm
-// per head or none, full rotary, no window, clip, gate or bias: the same operations in the
-// same order, its key and value written at position n of the cache buffers [1, G, max, Dh],
-// SDPA over positions 0..n. The norms, the rotary and the residual are loops over floats that
-// round where the module's ops round (norms.cpp; `lanes`: native.sum_lanes), the products
-// edge0's int4 kernels or ATen's, SDPA ATen's: bit-identical to the module path. In fp32 it
-// works on the tensors' memory directly, without conversions.
-std::vector<at::Tensor> attention_block(
+// edge0::attention_rows: blocks.py DecoderLayer's attention half for one decode token of each
+// of B sequences, x [B, 1, D] -> (x + attention(norm(x)), post_norm(that)), in fp32 or bf16
+// (every tensor in x's dtype): what the module path computes on the B rows of a batched step
+// (models/base.py RowsForward, each row with its own cache and position: layers.py RowCaches
+// with attend_rows). The attention is layers.py Attention.forward with q/k RMSNorm per head
+// or none, full rotary, no window, clip, gate or bias: the same operations in the same order,
+// row b's key and value written at position n[b] of its cache buffers [1, G, max, Dh], SDPA
+// of its query over positions 0..n[b], row by row. The norms, the rotary and the residual are
+// loops over floats that round where the module's ops round (norms.cpp; `lanes`:
+// native.sum_lanes), the products edge0's int4 kernels or ATen's on all B rows at once, as the
+// module's, SDPA ATen's: bit-identical to the module path. `cos` and `sin` hold a row of Dh
+// per sequence. In fp32 it works on the tensors' memory directly, without conversions.
+std::vector<at::Tensor> attention_rows(
     const at::Tensor& x, const at::Tensor& input_norm, double input_eps,
     const at::Tensor& post_norm, double post_eps, at::TensorList q_proj, at::TensorList k_proj,
     at::TensorList v_proj, at::TensorList o_proj, at::ArrayRef<double> lora_scale,
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-    double eps, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-    at::Tensor v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    double eps, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
+    at::TensorList v_caches, at::IntArrayRef n, int64_t heads, int64_t kv_heads, int64_t head_dim,
     double scale, int64_t lanes, at::IntArrayRef layout, int64_t isa) {
   const auto dtype = x.scalar_type();
   const bool bf16 = dtype == at::kBFloat16;
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1 && (bf16 || dtype == at::kFloat),
-              "x must be fp32 or bf16 [1, 1, D]");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) == 1 && (bf16 || dtype == at::kFloat),
+              "x must be fp32 or bf16 [B, 1, D]");
+  const int64_t rows = x.size(0);
   TORCH_CHECK(lora_scale.size() == 4, "one LoRA scale per projection");
-  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
-                  cos.scalar_type() == dtype && sin.scalar_type() == dtype,
-              "the cache buffers, cos and sin must be in x's dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == 1 &&
-                  k_cache.size(1) == kv_heads && k_cache.size(3) == head_dim &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "the cache buffers must be contiguous [1, G, max, Dh]");
-  TORCH_CHECK(cos.numel() == head_dim && sin.numel() == head_dim, "cos and sin must be [1, Dh]");
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == rows &&
+                  static_cast<int64_t>(v_caches.size()) == rows &&
+                  static_cast<int64_t>(n.size()) == rows,
+              "one key buffer, value buffer and position per row");
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              "cos and sin must be in x's dtype");
+  TORCH_CHECK(cos.numel() == rows * head_dim && sin.numel() == rows * head_dim,
+              "cos and sin must be a row of Dh per sequence");
   TORCH_CHECK(head_dim % 2 == 0, "rotary needs an even head dim");
-  TORCH_CHECK(n < k_cache.size(2), "position ", n, " is past the cache");
+  for (int64_t b = 0; b < rows; ++b) {
+    const at::Tensor &kc = k_caches[b], &vc = v_caches[b];
+    TORCH_CHECK(kc.scalar_type() == dtype && vc.scalar_type() == dtype, "row ", b,
+                ": the cache buffers must be in x's dtype");
+    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.size(0) == 1 &&
+                    kc.size(1) == kv_heads && kc.size(3) == head_dim && vc.sizes() == kc.sizes(),
+                "row ", b, ": the cache buffers must be contiguous [1, G, max, Dh]");
+    TORCH_CHECK(n[b] >= 0 && n[b] < kc.size(2), "row ", b, ": position ", n[b],
+                " is past its cache");
+  }
   const at::Tensor h = edge0::rms_norm(x, input_norm, input_eps, lanes);
   const auto qkv = project(h, {q_proj, k_proj, v_proj}, lora_scale.slice(0, 3), layout, isa);
   // the projections' results are fresh tensors: q and k are normalised and rotated in place
-  at::Tensor q = floats(qkv[0]).view({heads, head_dim});
-  at::Tensor k = floats(qkv[1]).view({kv_heads, head_dim});
+  at::Tensor q = floats(qkv[0]).view({rows * heads, head_dim});
+  at::Tensor k = floats(qkv[1]).view({rows * kv_heads, head_dim});
   const at::Tensor v = floats(qkv[2]);
   if (q_norm.has_value()) {
     RECORD_FUNCTION("edge0::rms_norm", std::vector<c10::IValue>());
@@ -171,22 +185,31 @@ std::vector<at::Tensor> attention_block(
   {
     RECORD_FUNCTION("edge0::rotary", std::vector<c10::IValue>());
     const at::Tensor cf = floats(cos), sf = floats(sin);
-    const float* c = cf.data_ptr<float>();
-    const float* s = sf.data_ptr<float>();
-    for (int64_t i = 0; i < heads; ++i)
-      rotary(q.data_ptr<float>() + i * head_dim, c, s, head_dim, bf16);
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      float* kg = k.data_ptr<float>() + g * head_dim;
-      rotary(kg, c, s, head_dim, bf16);
-      // the token's key and value at position n
-      store_row(k_cache, g, n, kg, head_dim);
-      store_row(v_cache, g, n, v.data_ptr<float>() + g * head_dim, head_dim);
+    for (int64_t b = 0; b < rows; ++b) {
+      const float* c = cf.data_ptr<float>() + b * head_dim;
+      const float* s = sf.data_ptr<float>() + b * head_dim;
+      for (int64_t i = 0; i < heads; ++i)
+        rotary(q.data_ptr<float>() + (b * heads + i) * head_dim, c, s, head_dim, bf16);
+      at::Tensor kc = k_caches[b], vc = v_caches[b];
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        float* kg = k.data_ptr<float>() + (b * kv_heads + g) * head_dim;
+        rotary(kg, c, s, head_dim, bf16);
+        // the token's key and value at position n[b]
+        store_row(kc, g, n[b], kg, head_dim);
+        store_row(vc, g, n[b], v.data_ptr<float>() + (b * kv_heads + g) * head_dim, head_dim);
+      }
     }
   }
-  const at::Tensor out = at::scaled_dot_product_attention(
-      (bf16 ? q.to(dtype) : q).view({1, heads, 1, head_dim}), k_cache.narrow(2, 0, n + 1),
-      v_cache.narrow(2, 0, n + 1), std::nullopt, 0.0, false, scale, kv_heads != heads);
-  const at::Tensor o = floats(project(out.transpose(1, 2).reshape({1, 1, -1}), {o_proj},
+  const at::Tensor qs = (bf16 ? q.to(dtype) : q).view({rows, heads, 1, head_dim});
+  std::vector<at::Tensor> outs;
+  outs.reserve(rows);
+  for (int64_t b = 0; b < rows; ++b) {
+    outs.push_back(at::scaled_dot_product_attention(
+        qs.narrow(0, b, 1), k_caches[b].narrow(2, 0, n[b] + 1),
+        v_caches[b].narrow(2, 0, n[b] + 1), std::nullopt, 0.0, false, scale, kv_heads != heads));
+  }
+  const at::Tensor out = rows == 1 ? outs[0] : at::cat(outs);
+  const at::Tensor o = floats(project(out.transpose(1, 2).reshape({rows, 1, -1}), {o_proj},
                                       lora_scale.slice(3), layout, isa)[0]);
   at::Tensor x1 = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   {
@@ -199,6 +222,22 @@ std::vector<at::Tensor> attention_block(
   }
   const at::Tensor x_out = bf16 ? x1.to(dtype) : x1;
   return {x_out, edge0::rms_norm(x_out, post_norm, post_eps, lanes)};
+}
+
+// edge0::attention_block: attention_rows for one sequence, x [1, 1, D], its cache buffers and
+// position: a decode token of one request (native/layer.py NativeLayer).
+std::vector<at::Tensor> attention_block(
+    const at::Tensor& x, const at::Tensor& input_norm, double input_eps,
+    const at::Tensor& post_norm, double post_eps, at::TensorList q_proj, at::TensorList k_proj,
+    at::TensorList v_proj, at::TensorList o_proj, at::ArrayRef<double> lora_scale,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+    double eps, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+    at::Tensor v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    double scale, int64_t lanes, at::IntArrayRef layout, int64_t isa) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "x must be [1, 1, D]");
+  return attention_rows(x, input_norm, input_eps, post_norm, post_eps, q_proj, k_proj, v_proj,
+                        o_proj, lora_scale, q_norm, k_norm, eps, cos, sin, {k_cache}, {v_cache},
+                        {n}, heads, kv_heads, head_dim, scale, lanes, layout, isa);
 }
 
 // edge0::moe_combine: blocks.py MoEBlock's weighted sum of one token's K experts and
@@ -323,6 +362,12 @@ TORCH_LIBRARY(edge0, m) {
       "Tensor(a!) k_cache, Tensor(b!) v_cache, int n, int heads, int kv_heads, int head_dim, "
       "float scale, int lanes, int[] layout, int isa) -> Tensor[]");
   m.def(
+      "attention_rows(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "
+      "float post_eps, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, Tensor[] o_proj, "
+      "float[] lora_scale, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] n, int heads, int kv_heads, "
+      "int head_dim, float scale, int lanes, int[] layout, int isa) -> Tensor[]");
+  m.def(
       "moe_combine(Tensor routed, Tensor weights, Tensor x, Tensor? shared, int lanes) -> "
       "Tensor");
   m.def("softmax_topk(Tensor logits, int k, bool norm_topk_prob, Tensor? allowed) -> Tensor[]");
@@ -336,6 +381,7 @@ TORCH_LIBRARY(edge0, m) {
 
 TORCH_LIBRARY_IMPL(edge0, CPU, m) {
   m.impl("attention_block", &attention_block);
+  m.impl("attention_rows", &attention_rows);
   m.impl("moe_combine", &moe_combine);
   m.impl("softmax_topk", &softmax_topk);
   m.impl("router_topk", &router_topk);

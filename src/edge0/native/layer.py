@@ -13,7 +13,15 @@ norms, fp32 or bf16, and layers.py Attention with projections that are Int4Linea
 float nn.Linear (either under an enabled or disabled LoraLinear), q/k RMSNorm per head or
 none, full rotary. A layer with anything else (q/k norm over the whole projection or another norm,
 clipping, an output gate, a sliding window, partial rotary, biases) is not served, and
-neither is a forward of several tokens or rows: those take the module's own forward.
+neither is a forward of several tokens of one sequence: those take the module's own forward.
+
+A batched decode step's rows (models/base.py RowsForward: a token of each of B requests, each
+with its own cache and position) go through `torch.ops.edge0.attention_rows`, the same
+operations on the B rows as the module path's forward of them (each row's attention over its
+own cache), its int4 projections with the kernel that computes torch's (as the module path's
+do with int8 activations too); their MoE block then routes and runs its experts for all rows
+as its own forward does (RowsForward's hooks), and its weighted sum and the residual are the
+module path's ATen ops: bit-identical to the module path's forward of those rows.
 
 The engine hands these to decode forwards as `Forward.layers`; nothing is installed into the
 model.
@@ -31,7 +39,7 @@ from edge0 import native
 from edge0.lora import LoraLinear
 from edge0.models.blocks import DecoderLayer, MoEBlock
 from edge0.models.int4 import Int4Linear
-from edge0.models.layers import Attention, KVCache, RMSNorm
+from edge0.models.layers import Attention, KVCache, RMSNorm, RowCaches
 from edge0.routing import SoftmaxTopK
 
 
@@ -109,26 +117,29 @@ class NativeRoute:
 
 
 class NativeLayer:
-    """A decoder layer's stand-in at decode: one token of one sequence, in fp32 or bf16 (the
-    layer's weights in its dtype), through the op; anything else through the layer itself."""
+    """A decoder layer's stand-in at decode: one token of one sequence, or of each of a
+    batched step's rows, in fp32 or bf16 (the layer's weights in its dtype), through the ops;
+    anything else through the layer itself."""
 
     def __init__(self, layer: DecoderLayer, ops: tuple[Callable, ...], lanes: int, int8: bool):
         self.layer, self.lanes = layer, lanes
-        self.op, self.combine, router_topk, softmax_topk = ops
+        self.op, self.rows_op, self.combine, router_topk, softmax_topk = ops
         block = layer.mlp_block
         softmax = layer.is_moe and type(block.selector) is SoftmaxTopK
         self.route = NativeRoute(block, router_topk, softmax_topk) if softmax else None
         self.layout, self.isa = native.kernel_args(int8)
+        self.rows_kernel = native.kernel_args(False)  # several rows: torch's int4 kernel's bits
         a = self.mixer = layer.mixer
         self.mlp, self.is_moe = block, layer.is_moe
         self.eps = a.q_norm.eps if a.qk_norm == "head" else 0.0
         self._key, self._args = None, None
 
-    def _static(self) -> tuple[torch.dtype, tuple, tuple] | None:
-        """The op's arguments that do not change from token to token (the dtype of the
-        layer's weights; those before the rotary tables; those after the position), computed
-        again only when a projection or its adapter's state changed, or None if the op cannot
-        take a projection (an adapter of another kind swapped in)."""
+    def _static(self) -> tuple[torch.dtype, tuple, tuple, tuple] | None:
+        """The ops' arguments that do not change from token to token (the dtype of the
+        layer's weights; those before the rotary tables; those after the position, for one
+        sequence and for rows), computed again only when a projection or its adapter's state
+        changed, or None if the ops cannot take a projection (an adapter of another kind
+        swapped in)."""
         layer, a = self.layer, self.mixer
         modules = a._modules  # (nn.Module's attribute lookup costs several dict lookups)
         q, k, v, o = modules["q_proj"], modules["k_proj"], modules["v_proj"], modules["o_proj"]
@@ -147,7 +158,8 @@ class NativeLayer:
                 head = (pre.weight, pre.eps, post.weight, post.eps, *[p[0] for p in parts])
                 head += ([p[1] for p in parts], *qk, self.eps)
                 tail = (a.heads, a.kv_heads, a.head_dim, a.head_dim**-0.5, self.lanes)
-                self._args = pre.weight.dtype, head, (*tail, self.layout, self.isa)
+                one, rows = (*tail, self.layout, self.isa), (*tail, *self.rows_kernel)
+                self._args = pre.weight.dtype, head, one, rows
         return self._args
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fwd):
@@ -156,13 +168,15 @@ class NativeLayer:
         args = self._static()
         if (
             args is None
-            or x.shape[:2] != (1, 1)
             or x.dtype != args[0]
             or x.dtype not in (torch.float32, torch.bfloat16)
-            or type(cache) is not KVCache
             or cos.shape[-1] != a.head_dim
             or cos.dtype != x.dtype
         ):
+            return self.layer(x, rope, fwd)
+        if type(cache) is RowCaches and x.shape[1] == 1:
+            return self._rows(x, rope, fwd, args)
+        if x.shape[:2] != (1, 1) or type(cache) is not KVCache:
             return self.layer(x, rope, fwd)
         n = cache.length[a.layer]
         k_buf, v_buf = cache.slot(a.layer, 1)
@@ -172,6 +186,26 @@ class NativeLayer:
             return x + self.mlp(h)
         routed, weights, shared = self.mlp.parts(h.view(1, -1), fwd, self.route)
         return self.combine(routed, weights, x, shared, self.lanes)
+
+    def _rows(self, x: torch.Tensor, rope, fwd, args) -> torch.Tensor:
+        """A batched decode step's rows x [B, 1, D] (fwd: a RowsForward) through the layer."""
+        layer, caches = self.mixer.layer, fwd.cache.rows
+        if any(type(c) is not KVCache for c in caches):
+            return self.layer(x, rope, fwd)
+        slots = [c.slot(layer, 1) for c in caches]
+        n = [c.length[layer] for c in caches]
+        k, v = [s[0] for s in slots], [s[1] for s in slots]
+        x, h = self.rows_op(x, *args[1], *rope, k, v, n, *args[3])
+        for c in caches:
+            c.length[layer] += 1
+        if not self.is_moe:
+            return x + self.mlp(h)
+        # MoEBlock.forward's sum and DecoderLayer's residual, as they compute them on rows
+        routed, weights, shared = self.mlp.parts(h.view(x.shape[0], -1), fwd, self.route)
+        y = (routed * weights[..., None].to(h.dtype)).sum(dim=1)
+        if shared is not None:
+            y = y + shared
+        return x + y.view(x.shape)
 
 
 def native_layers(model: nn.Module, cache_dir=None, int8: bool = False) -> dict[int, NativeLayer]:
@@ -183,6 +217,7 @@ def native_layers(model: nn.Module, cache_dir=None, int8: bool = False) -> dict[
         return {}
     ops = (
         native.attention_block(cache_dir),
+        native.attention_rows(cache_dir),
         native.moe_combine(cache_dir),
         native.router_topk(cache_dir),
         native.softmax_topk(cache_dir),
