@@ -2,13 +2,12 @@
 //
 // edge0::attention_block and edge0::attention_rows: one decode token of one sequence (of each
 // of B sequences) through a decoder layer's norm, GQA attention, residual and post-attention
-// norm (the reference: models/blocks.py
-// DecoderLayer.forward with models/layers.py Attention.forward), see below. Its int4
-// projections go through edge0::int4_gemv (int4_gemv.cpp), which computes what torch's int4
-// kernel computes bit for bit; its norms, rotary and residual are loops that round where the
-// reference's ops round (norms.cpp); SDPA and float projections are the reference's ATen ops.
-// So the result is bit-identical to the reference; what the op saves is the ~100 ATen ops,
-// the Python and the dispatch between them.
+// norm (the reference: models/blocks.py DecoderLayer.forward with models/layers.py
+// Attention.forward), see below. Their int4 projections go through edge0::int4_gemv
+// (int4_gemv.cpp), which computes what torch's int4 kernel computes bit for bit; their norms,
+// rotary and residual are loops that round where the reference's ops round (norms.cpp); SDPA
+// and float projections are the reference's ATen ops. So the result is bit-identical to the
+// reference; what an op saves is the ~100 ATen ops, the Python and the dispatch between them.
 //
 // edge0::router_topk, edge0::softmax_topk and edge0::moe_combine: the same layer's routing
 // (the softmax families', with its own router or a prediction) and its weighted sum of
