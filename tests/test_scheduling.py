@@ -701,8 +701,8 @@ def test_eight_concurrent_requests_are_not_held_behind_a_long_one(server):
     Not asserted here: the issue's tighter bound, twice the time alone plus one decode step
     per active request. On this tiny model a decode step is ~2.5 ms and the 8 streams' HTTP
     work on 2 cores, not the forwards, sets the first tokens (~30 ms), which land at that
-    bound; `edge0 bench --serving` measures it on the built-in model (21 of 21 within it with
-    batched decode)."""
+    bound; `edge0 bench --serving` measures it on the built-in model (with batched decode
+    about half of the first tokens within it on 2 vCPUs: docs/server.md)."""
     others = [chat(i, 16) for i in range(1, ACTIVE)]
     first_token(server, others[0])  # warm-up
     alone = [first_token(server, r)["first_s"] for r in others]

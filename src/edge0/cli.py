@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from edge0 import memory, runtime
+from edge0.bench.serving import ServingConfig
 from edge0.cli_args import (
     add_engine_args,
     add_sampling_args,
@@ -142,7 +143,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         summary = serving.run_serving(
             args.model_dir or default_model_dir(),
-            serving.ServingConfig(rounds=args.rounds, threads=args.threads),
+            serving.ServingConfig(
+                rounds=args.rounds, threads=args.threads, trials=args.serving_trials
+            ),
         )
         print(serving.report(summary))
         if args.json:
@@ -443,6 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="8 concurrent chats with --max-active 1 vs 8, and a 3-turn chat's turn-2 time to "
         "first token with and without the prefix cache, each on its own `edge0 serve`",
+    )
+    b.add_argument(
+        "--serving-trials",
+        type=int,
+        default=ServingConfig.trials,
+        help="--serving: bursts of concurrent chats per server and round",
     )
     pg = b.add_argument_group(
         "peer", "edge0 bench --peer llama.cpp [HF_DIR]: side by side with llama.cpp (docs/peer.md)"
