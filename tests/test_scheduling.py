@@ -9,6 +9,7 @@ requests, one of which runs long, the others' first tokens come within the polic
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -621,6 +622,38 @@ def test_arrivals_are_waited_for_once_each_and_at_most_the_limit():
     stuck.done()
     stuck.done()  # (a second call is nothing)
     assert arrivals.open == 1
+
+
+def test_arrivals_hand_a_busy_event_loop_turns_to_take_in_what_waits():
+    """A request entered and submitted; the event loop is busy for 0.2 s, and what it reads
+    next is another request, submitted 0.1 s after it enters. settle() hands the loop turns
+    and waits for that one too, instead of going on because none was open when it looked."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        arrivals = Arrivals()
+
+        def read() -> None:  # what the loop takes in once it has a turn
+            coming = arrivals.enter(loop)
+            loop.call_later(0.1, coming.done)
+
+        def busy() -> None:
+            time.sleep(0.2)
+            loop.call_soon(read)
+
+        loop.call_soon_threadsafe(busy)
+        arrivals.enter(loop).done()
+        assert 0.25 < arrivals.settle(10.0) < 5.0
+        assert arrivals.open == 0
+        assert arrivals.settle(10.0) == 0.0  # nothing entered since
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+    assert arrivals.settle(10.0) == 0.0
+    arrivals.enter(loop).done()  # a closed loop: no turns to hand it
+    assert arrivals.settle(10.0) < 0.05
 
 
 def test_the_generation_thread_waits_for_requests_still_arriving(whole_prompts, monkeypatch):
