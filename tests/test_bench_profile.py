@@ -25,7 +25,7 @@ from helpers import make_hf_model
         ("edge0::rms_norm", "norms"),  # the native ops' loops are not matmuls
         ("edge0::rotary", "elementwise (silu, mul, add, rotary, weighted sum, ...)"),
         ("edge0::moe_combine", "elementwise (silu, mul, add, rotary, weighted sum, ...)"),
-        ("edge0::attention_block", "the native layer op's own work (checks, conversions)"),
+        ("edge0::attention_rows", "the native layer op's own work (checks, conversions)"),
         ("aten::silu", "elementwise (silu, mul, add, rotary, weighted sum, ...)"),
         ("aten::lerp", profile.OTHER_OPS),
     ],

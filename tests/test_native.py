@@ -553,13 +553,13 @@ def test_a_batched_steps_layers_are_the_module_paths_bit_for_bit(
         assert sorted(layers) == list(range(len(engine.model.backbone.layers)))
         calls = []
         for layer in layers.values():
-            op = layer.rows_op
+            op = layer.op
 
             def counted(x, *args, op=op):
                 calls.append(x.shape[0])
                 return op(x, *args)
 
-            layer.rows_op = counted
+            layer.op = counted
         native_rows = rows_logits(engine)
         assert calls == [3] * len(layers) * 6
         engine._layers = {}

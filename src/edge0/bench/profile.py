@@ -36,7 +36,7 @@ CATEGORIES = [
         False,
         ("silu", "mul", "add", "sigmoid", "div", "neg", "rotary", "residual", "moe_combine"),
     ),
-    ("the native layer op's own work (checks, conversions)", False, ("edge0::attention_block",)),
+    ("the native layer op's own work (checks, conversions)", False, ("edge0::attention_rows",)),
 ]
 # views and allocations, by exact name (short names like aten::t would match others)
 VIEWS = "views, reshapes, allocations"

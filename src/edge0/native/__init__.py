@@ -9,10 +9,10 @@ they remove is the Python, the dispatch and the dtype round trips between that p
   torch.ops.edge0.int8_order_       int4 codes put in the int8 kernels' order, in place
   torch.ops.edge0.kernel_pairs_     quant.to_kernel_pairs in one loop, in place (a pool read's
                                     fix-up, int4_gemv.cpp)
-  torch.ops.edge0.attention_block   a decode token of one sequence through a decoder layer's
-                                    norm, GQA attention, residual and post-attention norm
+  torch.ops.edge0.attention_rows    a decode token of each of B sequences (one request's,
+                                    or a batched step's rows) through a decoder layer's norm,
+                                    GQA attention, residual and post-attention norm
                                     (decode_ops.cpp; native/layer.py says which layers)
-  torch.ops.edge0.attention_rows    the same for one token of each of a batched step's rows
   torch.ops.edge0.attend_rows       a batched step's attention alone, row by row in one call
   torch.ops.edge0.router_topk       an MoE block's router and routing.softmax_topk's ATen ops
   torch.ops.edge0.softmax_topk      routing.softmax_topk's ATen ops (decode_ops.cpp)
@@ -260,16 +260,10 @@ def int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
     return torch.ops.edge0.int4_gemv
 
 
-def attention_block(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
-    """The op, built and loaded if need be (its arguments: native/layer.py)."""
-    _load(cache_dir)
-    return torch.ops.edge0.attention_block
-
-
 def attention_rows(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
-    """The op, built and loaded if need be: attention_block for one decode token of each of
-    B sequences (x [B, 1, D], cos and sin a row each, each row's key and value buffers and
-    position; native/layer.py)."""
+    """The op, built and loaded if need be: a decoder layer's attention half for one decode
+    token of each of B sequences (x [B, 1, D], cos and sin a row each, each row's key and
+    value buffers and position; its arguments: native/layer.py)."""
     _load(cache_dir)
     return torch.ops.edge0.attention_rows
 

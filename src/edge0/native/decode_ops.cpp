@@ -1,13 +1,13 @@
 // Native decode ops: the operations of a pure-PyTorch path, in the same order, in one call.
 //
-// edge0::attention_block and edge0::attention_rows: one decode token of one sequence (of each
-// of B sequences) through a decoder layer's norm, GQA attention, residual and post-attention
-// norm (the reference: models/blocks.py DecoderLayer.forward with models/layers.py
-// Attention.forward), see below. Their int4 projections go through edge0::int4_gemv
-// (int4_gemv.cpp), which computes what torch's int4 kernel computes bit for bit; their norms,
-// rotary and residual are loops that round where the reference's ops round (norms.cpp); SDPA
-// and float projections are the reference's ATen ops. So the result is bit-identical to the
-// reference; what an op saves is the ~100 ATen ops, the Python and the dispatch between them.
+// edge0::attention_rows: one decode token of each of B sequences (one request's step: B = 1)
+// through a decoder layer's norm, GQA attention, residual and post-attention norm (the
+// reference: models/blocks.py DecoderLayer.forward with models/layers.py Attention.forward),
+// see below. Its int4 projections go through edge0::int4_gemv (int4_gemv.cpp), which computes
+// what torch's int4 kernel computes bit for bit; its norms, rotary and residual are loops that
+// round where the reference's ops round (norms.cpp); SDPA and float projections are the
+// reference's ATen ops. So the result is bit-identical to the reference; what the op saves is
+// the ~100 ATen ops, the Python and the dispatch between them.
 //
 // edge0::router_topk, edge0::softmax_topk and edge0::moe_combine: the same layer's routing
 // (the softmax families', with its own router or a prediction) and its weighted sum of
@@ -127,9 +127,9 @@ void norm_in_place(at::Tensor& rows, const at::Tensor& weight, double eps, int64
 
 // edge0::attention_rows: blocks.py DecoderLayer's attention half for one decode token of each
 // of B sequences, x [B, 1, D] -> (x + attention(norm(x)), post_norm(that)), in fp32 or bf16
-// (every tensor in x's dtype): what the module path computes on the B rows of a batched step
-// (models/base.py RowsForward, each row with its own cache and position: layers.py RowCaches
-// with attend_rows). The attention is layers.py Attention.forward with q/k RMSNorm per head
+// (every tensor in x's dtype): what the module path computes on one request's decode token
+// (B = 1) or on the B rows of a batched step (models/base.py RowsForward, each row with its
+// own cache and position: layers.py RowCaches with attend_rows). The attention is layers.py Attention.forward with q/k RMSNorm per head
 // or none, full rotary, no window, clip, gate or bias: the same operations in the same order,
 // row b's key and value written at position n[b] of its cache buffers [1, G, max, Dh], SDPA
 // of its query over positions 0..n[b], row by row. The norms, the rotary and the residual are
@@ -221,22 +221,6 @@ std::vector<at::Tensor> attention_rows(
   }
   const at::Tensor x_out = bf16 ? x1.to(dtype) : x1;
   return {x_out, edge0::rms_norm(x_out, post_norm, post_eps, lanes)};
-}
-
-// edge0::attention_block: attention_rows for one sequence, x [1, 1, D], its cache buffers and
-// position: a decode token of one request (native/layer.py NativeLayer).
-std::vector<at::Tensor> attention_block(
-    const at::Tensor& x, const at::Tensor& input_norm, double input_eps,
-    const at::Tensor& post_norm, double post_eps, at::TensorList q_proj, at::TensorList k_proj,
-    at::TensorList v_proj, at::TensorList o_proj, at::ArrayRef<double> lora_scale,
-    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-    double eps, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-    at::Tensor v_cache, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    double scale, int64_t lanes, at::IntArrayRef layout, int64_t isa) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "x must be [1, 1, D]");
-  return attention_rows(x, input_norm, input_eps, post_norm, post_eps, q_proj, k_proj, v_proj,
-                        o_proj, lora_scale, q_norm, k_norm, eps, cos, sin, {k_cache}, {v_cache},
-                        {n}, heads, kv_heads, head_dim, scale, lanes, layout, isa);
 }
 
 // edge0::moe_combine: blocks.py MoEBlock's weighted sum of one token's K experts and
@@ -355,12 +339,6 @@ std::vector<at::Tensor> router_topk(const at::Tensor& h, at::TensorList gate, do
 
 TORCH_LIBRARY(edge0, m) {
   m.def(
-      "attention_block(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "
-      "float post_eps, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, Tensor[] o_proj, "
-      "float[] lora_scale, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, int n, int heads, int kv_heads, int head_dim, "
-      "float scale, int lanes, int[] layout, int isa) -> Tensor[]");
-  m.def(
       "attention_rows(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "
       "float post_eps, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, Tensor[] o_proj, "
       "float[] lora_scale, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
@@ -379,7 +357,6 @@ TORCH_LIBRARY(edge0, m) {
 }
 
 TORCH_LIBRARY_IMPL(edge0, CPU, m) {
-  m.impl("attention_block", &attention_block);
   m.impl("attention_rows", &attention_rows);
   m.impl("moe_combine", &moe_combine);
   m.impl("softmax_topk", &softmax_topk);

@@ -1,8 +1,8 @@
 """A decode token's decoder layer through the native ops: which layers they serve, and the call.
 
-`torch.ops.edge0.attention_block` (decode_ops.cpp) computes blocks.py DecoderLayer's
-attention half for one token of one sequence, `x + attention(input_norm(x))` and its
-post-attention norm, with the operations of the module path in the same order (the int4
+`torch.ops.edge0.attention_rows` (decode_ops.cpp) computes blocks.py DecoderLayer's
+attention half for one token of one sequence (one row), `x + attention(input_norm(x))` and
+its post-attention norm, with the operations of the module path in the same order (the int4
 products with edge0's kernel, which computes torch's bit for bit; the norms with norms.cpp,
 which adds in ATen's order), so it is bit-identical to it. An MoE block then routes and runs
 its experts as its own forward does, with the call's hooks (`MoEBlock.parts`; its softmax
@@ -16,10 +16,10 @@ clipping, an output gate, a sliding window, partial rotary, biases) is not serve
 neither is a forward of several tokens of one sequence: those take the module's own forward.
 
 A batched decode step's rows (models/base.py RowsForward: a token of each of B requests, each
-with its own cache and position) go through `torch.ops.edge0.attention_rows`, the same
-operations on the B rows as the module path's forward of them (each row's attention over its
-own cache), its int4 projections with the kernel that computes torch's (as the module path's
-do with int8 activations too); their MoE block then routes and runs its experts for all rows
+with its own cache and position) go through the same op, the same operations on the B rows
+as the module path's forward of them (each row's attention over its own cache), its int4
+projections with the kernel that computes torch's (as the module path's do with int8
+activations too); their MoE block then routes and runs its experts for all rows
 as its own forward does (RowsForward's hooks), and its weighted sum and the residual are the
 module path's ATen ops: bit-identical to the module path's forward of those rows.
 
@@ -123,7 +123,7 @@ class NativeLayer:
 
     def __init__(self, layer: DecoderLayer, ops: tuple[Callable, ...], lanes: int, int8: bool):
         self.layer, self.lanes = layer, lanes
-        self.op, self.rows_op, self.combine, router_topk, softmax_topk = ops
+        self.op, self.combine, router_topk, softmax_topk = ops
         block = layer.mlp_block
         softmax = layer.is_moe and type(block.selector) is SoftmaxTopK
         self.route = NativeRoute(block, router_topk, softmax_topk) if softmax else None
@@ -180,7 +180,7 @@ class NativeLayer:
             return self.layer(x, rope, fwd)
         n = cache.length[a.layer]
         k_buf, v_buf = cache.slot(a.layer, 1)
-        x, h = self.op(x, *args[1], cos, sin, k_buf, v_buf, n, *args[2])  # (it takes any strides)
+        x, h = self.op(x, *args[1], cos, sin, [k_buf], [v_buf], [n], *args[2])
         cache.length[a.layer] = n + 1
         if not self.is_moe:
             return x + self.mlp(h)
@@ -195,7 +195,7 @@ class NativeLayer:
         slots = [c.slot(layer, 1) for c in caches]
         n = [c.length[layer] for c in caches]
         k, v = [s[0] for s in slots], [s[1] for s in slots]
-        x, h = self.rows_op(x, *args[1], *rope, k, v, n, *args[3])
+        x, h = self.op(x, *args[1], *rope, k, v, n, *args[3])
         for c in caches:
             c.length[layer] += 1
         if not self.is_moe:
@@ -216,7 +216,6 @@ def native_layers(model: nn.Module, cache_dir=None, int8: bool = False) -> dict[
     if lanes is None:
         return {}
     ops = (
-        native.attention_block(cache_dir),
         native.attention_rows(cache_dir),
         native.moe_combine(cache_dir),
         native.router_topk(cache_dir),
