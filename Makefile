@@ -36,4 +36,4 @@ clean:
 # Rebuild the built-in model from scratch (teacher pre-training, convert, three training
 # phases, eval) and copy it into src/edge0/builtin. About 3.3 hours on 2 CPU cores.
 builtin-model: $(STAMP)
-	$(PY) -m edge0.builtin_build --work build/builtin
+	$(PY) -m edge0.cli.builtin_build --work build/builtin

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from edge0.checkpoint import Checkpoint, ExpertSource, ServedCheckpoint
+from edge0.formats.checkpoint import Checkpoint, ExpertSource, ServedCheckpoint
 from edge0.models import FAMILIES
 
 GROUP = 64

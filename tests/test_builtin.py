@@ -15,9 +15,11 @@ import pytest
 import torch
 import transformers
 
-from edge0 import builtin, cli, lora, modeldir
-from edge0.checkpoint import sha256_file
-from edge0.loader import load_hf_model
+from edge0 import builtin, modeldir
+from edge0.cli import main as cli
+from edge0.formats.checkpoint import sha256_file
+from edge0.modeldir.loader import load_hf_model
+from edge0.models import lora
 from helpers import greedy_hf, greedy_ours
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from edge0 import cgroup
+from edge0.util import cgroup
 
 
 class HeldGroup:
@@ -31,7 +31,7 @@ def test_a_group_the_kernel_still_holds_is_removed_when_it_lets_go():
 
 def test_a_group_held_too_long_is_left_behind_and_said_so(caplog):
     group = HeldGroup(held=10)
-    with caplog.at_level(logging.WARNING, logger="edge0.cgroup"):
+    with caplog.at_level(logging.WARNING, logger="edge0.util.cgroup"):
         cgroup.remove_group(group, tries=5, wait_s=0)
     assert group.calls == 5
     assert "left the empty memory cgroup" in caplog.text

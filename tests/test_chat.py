@@ -21,9 +21,9 @@ import time
 import pytest
 import torch
 
-from edge0.chat import ChatSession, add_chat_parser, cmd_chat, repl
-from edge0.engine import EngineOptions, load_engine
-from edge0.sampling import SamplingParams
+from edge0.cli.chat import ChatSession, add_chat_parser, cmd_chat, repl
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.sampling import SamplingParams
 from test_server import ScriptedEngine, make_chat_model
 
 ARGS = ["--temperature", "0", "--max-tokens", "6", "--threads", "1", "--max-context", "512"]

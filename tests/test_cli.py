@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from edge0 import cli
+from edge0.cli import main as cli
 from edge0.convert import convert
 from helpers import make_hf_model
 

@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from edge0.convert import convert
-from edge0.int4_layout import host_layout
-from edge0.loader import load_edge0_model
-from edge0.modeldir import Manifest
-from edge0.store.expert_file import ExpertFile
-from edge0.store.pool import ExpertPool
-from edge0.streaming.executors import (
+from edge0.engine.executors import (
     ExactExecutor,
     PrefillPlan,
     WholeLayerExecutor,
     decode_experts,
     torch_experts,
 )
+from edge0.formats.int4_layout import host_layout
+from edge0.modeldir import Manifest
+from edge0.modeldir.loader import load_edge0_model
+from edge0.store.expert_file import ExpertFile
+from edge0.store.pool import ExpertPool
 from helpers import make_hf_model
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
@@ -118,7 +118,7 @@ def test_only_a_pool_without_a_heads_thread_is_read_unpinned():
     """The engine's exact executors use loaded experts unpinned only where the decoding
     thread is the pool's one requester: not with the prerouter's heads on their thread."""
     from edge0 import builtin
-    from edge0.engine import EngineOptions, load_engine
+    from edge0.engine.core import EngineOptions, load_engine
 
     for opts, sole in [
         (EngineOptions(no_prerouter=True), True),

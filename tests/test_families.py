@@ -17,11 +17,11 @@ import transformers
 from safetensors import safe_open
 
 from edge0.convert import convert
-from edge0.engine import EngineOptions, load_engine
-from edge0.loader import load_edge0_model, load_hf_model
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.sampling import SamplingParams
+from edge0.modeldir.loader import load_edge0_model, load_hf_model
 from edge0.models import FAMILIES, load_config
-from edge0.routing import sigmoid_group
-from edge0.sampling import SamplingParams
+from edge0.models.routing import sigmoid_group
 from helpers import greedy_hf, greedy_ours, tiny_tokenizer
 
 VOCAB = 384

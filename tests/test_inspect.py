@@ -16,12 +16,13 @@ import pytest
 import torch
 import transformers
 
-from edge0 import builtin, memory
-from edge0.cli import add_inspect_parser
+from edge0 import builtin
+from edge0.cli.inspect import format_report, inspect_dir, kind_of
+from edge0.cli.main import add_inspect_parser
 from edge0.convert import convert
-from edge0.engine import EngineOptions, load_engine
-from edge0.inspect import format_report, inspect_dir, kind_of
-from edge0.store.extents import ExtentLayout
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.formats.extents import ExtentLayout
+from edge0.util import memory
 from helpers import make_hf_model
 from mlx_helpers import hf_to_mlx
 

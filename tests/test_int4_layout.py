@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from edge0 import int4_layout, quant
-from edge0.int4_layout import LAYOUTS, KernelLayoutError, host_layout, relayout, self_check
+from edge0.formats import int4_layout, quant
+from edge0.formats.int4_layout import LAYOUTS, KernelLayoutError, host_layout, relayout, self_check
 from helpers import capability_env, cpu_capabilities
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
@@ -97,7 +97,7 @@ def test_self_check_passes_on_the_host_and_catches_every_other_arrangement():
 
 PROBE = """
 import json, torch
-from edge0 import int4_layout
+from edge0.formats import int4_layout
 host = int4_layout.host_layout()
 ok = []
 pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu

@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from edge0 import lora
-from edge0.int4_layout import host_layout
-from edge0.loader import build
-from edge0.models import FAMILIES
+from edge0.formats.int4_layout import host_layout
+from edge0.modeldir.loader import build
+from edge0.models import FAMILIES, lora
 from edge0.models.experts import ExpertSlot
 from edge0.models.int4 import Int4Embedding, Int4Linear, dequantize, quantize
 from edge0.models.qwen3_moe import Config

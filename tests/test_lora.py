@@ -8,11 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edge0 import lora, modeldir
+from edge0 import modeldir
 from edge0.convert import convert
-from edge0.engine import EngineOptions, load_engine
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.sampling import SamplingParams
+from edge0.models import lora
 from edge0.models.base import Forward
-from edge0.sampling import SamplingParams
 from edge0.train.student import load_student
 from helpers import make_hf_model
 

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from edge0 import memory
+from edge0.util import memory
 
 MIB = 1 << 20
 
@@ -67,8 +67,8 @@ def test_peak_samplers_share_one_thread_that_outlives_them():
 
 EXITS_WITH_A_SAMPLER_RUNNING = r"""
 import threading
-from edge0 import memory
-from edge0.memory import PeakSampler
+from edge0.util import memory
+from edge0.util.memory import PeakSampler
 
 def generation():
     with PeakSampler():

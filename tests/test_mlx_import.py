@@ -16,15 +16,15 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from edge0 import lora as lora_runtime
 from edge0.convert import convert
-from edge0.engine import EngineOptions, load_engine
-from edge0.loader import load_edge0_model
-from edge0.mlx_format import unpack
-from edge0.mlx_import import candidates, import_mlx
+from edge0.convert.mlx import candidates, import_mlx
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.sampling import SamplingParams
+from edge0.formats.mlx import unpack
 from edge0.modeldir import Manifest
+from edge0.modeldir.loader import load_edge0_model
+from edge0.models import lora as lora_runtime
 from edge0.prerouter.head import Prerouter
-from edge0.sampling import SamplingParams
 from edge0.store.expert_file import read_table
 from helpers import make_hf_model, tiny_tokenizer
 from mlx_helpers import hf_to_mlx, mlx_dequantize, mlx_quantize, read_tensors

@@ -13,19 +13,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge0 import builtin, int4_layout, native, quant
+from edge0 import builtin, native
 from edge0.convert import convert
-from edge0.engine import EngineOptions, load_engine
-from edge0.store.extents import ExpertTensors, ExtentLayout
-from edge0.streaming import executors
-from edge0.streaming.executors import (
+from edge0.convert.synth import Shape, synth
+from edge0.engine import executors, native_layer
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.executors import (
     FusedExperts,
     decode_experts,
     row_experts,
     swiglu_int4,
     torch_experts,
 )
-from edge0.synth import Shape, synth
+from edge0.formats import int4_layout, quant
+from edge0.formats.extents import ExpertTensors, ExtentLayout
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
@@ -617,8 +618,8 @@ def test_the_native_norm_is_the_modules_bit_for_bit(n, dtype):
     sum's second level; large values, where the order of additions shows in the bits."""
     from edge0.models.layers import RMSNorm
 
-    lanes = native.sum_lanes()
-    assert lanes in native.SUM_LANES
+    lanes = native_layer.sum_lanes()
+    assert lanes in native_layer.SUM_LANES
     gen = torch.Generator().manual_seed(n)
     norm = RMSNorm(n, 1e-6).to(dtype)
     with torch.no_grad():
@@ -640,7 +641,7 @@ def test_the_native_combine_is_the_blocks_bit_for_bit(k, d, dtype):
     weights = torch.rand(1, k, generator=gen)
     x = torch.randn(1, 1, d, generator=gen).to(dtype)
     shared = torch.randn(1, d, generator=gen).to(dtype)
-    op, lanes = native.moe_combine(), native.sum_lanes()
+    op, lanes = native.moe_combine(), native_layer.sum_lanes()
     for s in (None, shared):
         y = (routed * weights[..., None].to(dtype)).sum(dim=1)
         ref = x + (y if s is None else y + s).view(1, 1, d)
@@ -653,12 +654,12 @@ def test_the_norms_sum_width_is_checked_not_assumed():
     comparison tells them apart (a width that is not the reduction's gives other bits)."""
     from edge0.models.layers import RMSNorm
 
-    lanes = native.sum_lanes()
+    lanes = native_layer.sum_lanes()
     norm = RMSNorm(1024, 1e-6)
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(3)) * 1e3
     with torch.no_grad():
         ref = norm(x)
-    for other in native.SUM_LANES:
+    for other in native_layer.SUM_LANES:
         assert torch.equal(native.rms_norm()(x, norm.weight, 1e-6, other), ref) == (other == lanes)
 
 
@@ -712,8 +713,8 @@ def test_the_native_layer_takes_only_the_layers_it_computes_exactly(tmp_path, fa
     """No q/k norm (Mixtral) is served; a sliding window, a q/k norm over the whole
     projection (OLMoE), and Qwen3.5's output gate, partial rotary and zero-centred norms
     (or a linear-attention mixer) keep the module's own forward."""
-    from edge0.loader import load_edge0_model
-    from edge0.native.layer import servable
+    from edge0.engine.native_layer import servable
+    from edge0.modeldir.loader import load_edge0_model
     from test_families import make_checkpoint
 
     make_checkpoint(tmp_path / "hf", family, **kw)
@@ -732,7 +733,7 @@ NO_COMPILER = """
 import logging, sys
 from pathlib import Path
 from edge0 import native
-from edge0.streaming.executors import decode_experts, torch_experts
+from edge0.engine.executors import decode_experts, torch_experts
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 cache = Path(sys.argv[1])
 try:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from edge0 import builtin, native
-from edge0.engine import EngineOptions, load_engine
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.models.routing import softmax_topk, topk_onehot
 from edge0.prerouter.head import NativeHeads, Prerouter, StackedHeads, Wiring
 from edge0.prerouter.runtime import HeadRows
-from edge0.routing import softmax_topk, topk_onehot
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 

@@ -7,9 +7,9 @@ import torch
 import transformers
 
 from edge0.convert import convert
-from edge0.engine import EngineOptions, load_engine
-from edge0.loader import load_edge0_model, load_hf_model
-from edge0.sampling import SamplingParams
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.sampling import SamplingParams
+from edge0.modeldir.loader import load_edge0_model, load_hf_model
 from helpers import greedy_hf, greedy_ours, make_hf_model
 
 CASES = {

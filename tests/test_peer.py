@@ -10,9 +10,10 @@ import os
 
 import pytest
 
-from edge0 import cgroup, cli
 from edge0.bench import peer, peer_arm, peer_gguf, peer_plot
-from edge0.synth import Shape
+from edge0.cli import main as cli
+from edge0.convert.synth import Shape
+from edge0.util import cgroup
 
 GIB = 2**30
 MODELS = {"expert_int4_bytes": 3 * GIB, "gguf_bytes": 3 * GIB}

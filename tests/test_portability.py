@@ -12,7 +12,7 @@ import transformers
 
 from edge0 import modeldir
 from edge0.convert import convert
-from edge0.loader import load_edge0_model
+from edge0.modeldir.loader import load_edge0_model
 from helpers import capability_env, cpu_capabilities, greedy_hf, make_hf_model
 
 pytestmark = pytest.mark.slow

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from edge0 import builtin
-from edge0.chat import ChatSession
+from edge0.cli.chat import ChatSession
 from edge0.convert import convert
-from edge0.engine import EngineOptions, load_engine
-from edge0.prefix_cache import MIN_PREFILL, PrefixCache
-from edge0.sampling import SamplingParams
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.prefix_cache import MIN_PREFILL, PrefixCache
+from edge0.engine.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
 from test_families import make_checkpoint
 from test_server import live_server, make_chat_model

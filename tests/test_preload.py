@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from edge0 import builtin
-from edge0.engine import EngineOptions, load_engine
+from edge0.engine.core import EngineOptions, load_engine
 from helpers import mapping_field
 
 

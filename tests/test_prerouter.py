@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from edge0.convert import convert
-from edge0.engine import EngineOptions, load_engine
-from edge0.loader import load_edge0_model
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.sampling import SamplingParams
+from edge0.modeldir.loader import load_edge0_model
 from edge0.models.base import Forward
+from edge0.models.routing import topk_onehot
 from edge0.prerouter.head import Prerouter, StackedHeads, Wiring, features
 from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
-from edge0.routing import topk_onehot
-from edge0.sampling import SamplingParams
 from edge0.train.heads import HeadsConfig, local_order, train_heads
 from edge0.train.student import load_student, sample
 from helpers import TEXT, DelayedReads, make_hf_model
@@ -453,8 +453,8 @@ def test_heads_training_order_is_a_permutation_read_a_few_chunks_at_a_time():
 
 
 def test_heads_get_a_thread_where_a_core_is_free_or_torch_heads_are_large():
-    from edge0.machine import usable_cores
     from edge0.prerouter.runtime import HEADS_THREAD_MIN_BYTES, threaded_heads
+    from edge0.util.machine import usable_cores
 
     threads = torch.get_num_threads()
     try:
@@ -475,7 +475,7 @@ def test_a_bench_arm_can_put_the_heads_on_their_thread_or_not(variant, threaded)
     (the built-in model's run inline by default on 2 cores), the same replayed decode."""
     from edge0 import builtin
     from edge0.bench import ab, arm
-    from edge0.machine import usable_cores
+    from edge0.util.machine import usable_cores
 
     assert ab._valid_arm("prerouter" + variant) and not ab._valid_arm("ondemand+thread")
     spec = {

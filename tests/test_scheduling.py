@@ -18,25 +18,25 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import edge0.engine as engine_module
+import edge0.engine.core as engine_module
 import edge0.server.worker as worker_module
 from edge0 import builtin
 from edge0.bench.serving import stream_chat
-from edge0.cli_args import with_flags
+from edge0.cli.args import with_flags
 from edge0.convert import convert
-from edge0.engine import (
+from edge0.engine.core import (
     REUSE_TOKENS,
     ROWS_TOGETHER,
     SHORT_PREFILL,
     EngineOptions,
     load_engine,
 )
-from edge0.plan import ModelSizes, make_plan
-from edge0.sampling import SamplingParams
+from edge0.engine.plan import ModelSizes, make_plan
+from edge0.engine.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.arrivals import Arrivals
 from edge0.server.worker import Done, Job, Token, Worker
-from edge0.threads import single_threaded_pool
+from edge0.util.threads import single_threaded_pool
 from test_families import make_checkpoint
 from test_server import live_server, make_chat_model
 

@@ -24,15 +24,15 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edge0.cli.serve import check_bind
 from edge0.convert import convert
-from edge0.engine import EngineOptions, Generation, GenerationStats, load_engine
-from edge0.prompt import ChatTemplate
-from edge0.reasoning import ThinkSplitter
+from edge0.engine.core import EngineOptions, Generation, GenerationStats, load_engine
 from edge0.server.app import ServerOptions, create_app
-from edge0.server.cli import check_bind
 from edge0.server.tools import ToolCallParser
-from edge0.stops import StopMatcher
-from edge0.tokenizer_train import train_bpe
+from edge0.text.prompt import ChatTemplate
+from edge0.text.reasoning import ThinkSplitter
+from edge0.text.stops import StopMatcher
+from edge0.text.tokenizer_train import train_bpe
 from helpers import TEXT, make_hf_model
 
 CONTEXT = 512  # the tiny model's max_position_embeddings

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from edge0.engine import EngineOptions, load_engine
+from edge0.engine.core import EngineOptions, load_engine
 from edge0.server.app import ServerOptions, create_app
 from test_server import Wrapped, live_server, make_chat_model
 

@@ -26,11 +26,11 @@ import openai
 import pytest
 import torch
 
-from edge0.engine import EngineOptions, load_engine
-from edge0.limits import CHAT_MAX_TOKENS
-from edge0.sampling import SamplingParams
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.worker import Done, Job, Worker
+from edge0.util.limits import CHAT_MAX_TOKENS
 from test_server import (
     GOOD,
     USER,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from edge0 import builtin, modeldir
-from edge0.engine import EngineOptions, load_engine
-from edge0.plan import make_plan
-from edge0.routing import sigmoid_group, softmax_topk
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.plan import make_plan
+from edge0.models.routing import sigmoid_group, softmax_topk
 from test_scheduling import EXTENT, sizes
 
 

@@ -9,12 +9,12 @@ import threading
 import pytest
 import torch
 
-from edge0 import quant
-from edge0.int4_layout import host_layout
+from edge0.formats import quant
+from edge0.formats.extents import ALIGN, ExtentLayout
+from edge0.formats.int4_layout import host_layout
+from edge0.formats.writer import StreamingSafetensors
 from edge0.store.expert_file import ExpertFile, tensor_name
-from edge0.store.extents import ALIGN, ExtentLayout
 from edge0.store.pool import ExpertPool, PoolExhausted
-from edge0.store.writer import StreamingSafetensors
 from helpers import mapping_field
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel

@@ -5,10 +5,11 @@ from __future__ import annotations
 import collections
 import json
 
-from edge0 import builtin, cli
+from edge0 import builtin
 from edge0.bench.ab import replay_tokens
-from edge0.engine import EngineOptions, load_engine
-from edge0.synth import Shape, synth
+from edge0.cli import main as cli
+from edge0.convert.synth import Shape, synth
+from edge0.engine.core import EngineOptions, load_engine
 
 SHAPE = Shape(
     layers=4,

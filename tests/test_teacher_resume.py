@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge0 import corpus
+from edge0.text import corpus
 from edge0.train import teacher
 from edge0.train.passes import PassOrder
 from edge0.train.teacher import TeacherConfig, train_teacher

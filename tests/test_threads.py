@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import httpx
 import torch
 
-from edge0.engine import EngineOptions, load_engine
+from edge0.engine.core import EngineOptions, load_engine
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.worker import Worker
-from edge0.threads import ComputeThread, single_threaded_pool
+from edge0.util.threads import ComputeThread, single_threaded_pool
 from test_server import USER, live_server, make_chat_model
 
 

@@ -16,10 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from edge0 import cli, evaluate, lora
+from edge0.cli import main as cli
 from edge0.convert import convert
-from edge0.tokenizer import load_tokenizer
-from edge0.train import common
+from edge0.models import lora
+from edge0.text.tokenizer import load_tokenizer
+from edge0.train import common, evaluate
 from edge0.train.data import load_texts
 from edge0.train.heads import HeadsConfig, train_heads
 from edge0.train.opd import OPDConfig, reverse_kl_topk_tail, train_opd

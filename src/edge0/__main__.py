@@ -1,5 +1,5 @@
 import sys
 
-from edge0.cli import main
+from edge0.cli.main import main
 
 sys.exit(main())

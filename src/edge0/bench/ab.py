@@ -23,11 +23,13 @@ from pathlib import Path
 
 import torch
 
-from edge0 import cgroup, corpus, memory, modeldir
-from edge0.options import EngineOptions
-from edge0.plan import RUNTIME_RESERVE, plan_for_dir, resolve_top_k
+from edge0 import modeldir
+from edge0.engine.options import EngineOptions
+from edge0.engine.plan import RUNTIME_RESERVE, plan_for_dir, resolve_top_k
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
+from edge0.text import corpus
+from edge0.util import cgroup, memory
 
 ARMS = ("prerouter", "ondemand", "resident")
 
@@ -79,7 +81,7 @@ def disk_bandwidth(path: Path, extent: int, reads: int = 48) -> float:
 
 def replay_tokens(model_dir: Path, n: int) -> list[int]:
     """n token ids of held-out stdlib text, tokenized with the model's own tokenizer."""
-    from edge0.tokenizer import load_tokenizer
+    from edge0.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     ids: list[int] = []
@@ -93,7 +95,7 @@ def replay_tokens(model_dir: Path, n: int) -> list[int]:
 def warm_start_heads(model_dir: Path, out: Path, k: int) -> Path:
     """Untrained heads (the next router applied to the current state) for a model without any:
     for speed, what matters is that the prediction is the routing, not its accuracy."""
-    from edge0.loader import load_edge0_model
+    from edge0.modeldir.loader import load_edge0_model
     from edge0.prerouter.head import Prerouter, Wiring
 
     _, model = load_edge0_model(model_dir)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from edge0 import memory, runtime
-from edge0.engine import EngineOptions, load_engine
-from edge0.options import INT4_ACTIVATIONS
+from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.options import INT4_ACTIVATIONS
+from edge0.util import malloc, memory
 
 
 def run(spec: dict) -> dict:
@@ -88,7 +88,7 @@ def run(spec: dict) -> dict:
 
 
 def main() -> int:
-    runtime.tune_malloc()
+    malloc.tune_malloc()
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
     Path(sys.argv[2]).write_text(json.dumps(run(spec)))

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from edge0 import int4_layout, quant
+from edge0.formats import int4_layout, quant
 
 
 def median_us(fn, runs: int = 30) -> float:

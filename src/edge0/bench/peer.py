@@ -26,14 +26,15 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from edge0 import cgroup, machine, memory, modeldir
+from edge0 import modeldir
 from edge0.bench import peer_gguf
 from edge0.bench.peer_arm import ENGINES
-from edge0.options import EngineOptions
-from edge0.plan import RUNTIME_RESERVE, plan_for_dir
+from edge0.convert.synth import Shape
+from edge0.engine.options import EngineOptions
+from edge0.engine.plan import RUNTIME_RESERVE, plan_for_dir
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
-from edge0.synth import Shape
+from edge0.util import cgroup, machine, memory
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def shape_name(shape: Shape) -> str:
 def prepare(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> Models:
     """The HF checkpoint (synthesised if None) and both converted copies; kept across runs."""
     from edge0.convert import convert
-    from edge0.synth import synth
+    from edge0.convert.synth import synth
 
     work.mkdir(parents=True, exist_ok=True)
     if hf_dir is None:
@@ -215,7 +216,7 @@ def run_peer(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> dict:
     if any(c is not None for _, c in caps) and not cgroup.available():
         raise PermissionError("memory caps need root and cgroup v1 (/sys/fs/cgroup/memory)")
     engines = engines_for(models.edge0, cfg.prerouter)
-    from edge0.tokenizer import load_tokenizer
+    from edge0.text.tokenizer import load_tokenizer
 
     prompt = load_tokenizer(models.edge0).encode(PROMPT)
     n_ctx = 64 * -(-(len(prompt) + cfg.warmup + cfg.tokens + 2) // 64)

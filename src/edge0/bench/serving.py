@@ -198,9 +198,9 @@ def prefill_arm(model_dir: Path, cfg: ServingConfig, reps: int = 5) -> dict:
     """Seconds to prefill the short chats' prompts one by one, and together in one forward."""
     import torch
 
-    from edge0.engine import load_engine
-    from edge0.options import EngineOptions
-    from edge0.prompt import ChatTemplate
+    from edge0.engine.core import load_engine
+    from edge0.engine.options import EngineOptions
+    from edge0.text.prompt import ChatTemplate
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -234,9 +234,9 @@ def decode_arm(model_dir: Path, cfg: ServingConfig, reps: int = 9) -> dict:
     """Milliseconds for B requests' decode steps one after another and in one forward."""
     import torch
 
-    from edge0.engine import load_engine
-    from edge0.options import EngineOptions
-    from edge0.prompt import ChatTemplate
+    from edge0.engine.core import load_engine
+    from edge0.engine.options import EngineOptions
+    from edge0.text.prompt import ChatTemplate
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

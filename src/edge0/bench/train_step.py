@@ -22,9 +22,11 @@ import time
 
 import torch
 
-from edge0 import builtin, corpus, machine
+from edge0 import builtin
 from edge0.models.experts import ResidentExperts, for_each_expert, swiglu_dense
+from edge0.text import corpus
 from edge0.train.teacher import TeacherConfig, TrainStep, build_model
+from edge0.util import machine
 
 BENCH_FIELDS = {"threads", "experts"}
 
@@ -67,7 +69,7 @@ def parse_arm(spec: str) -> tuple[str, dict]:
 
 
 def real_tokens(n: int) -> torch.Tensor:
-    from edge0.tokenizer import load_tokenizer
+    from edge0.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(builtin.teacher_dir())
     ids: list[int] = []

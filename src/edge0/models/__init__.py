@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from edge0.checkpoint import read_json
+from edge0.formats.checkpoint import read_json
 from edge0.models import (
     bailing_hybrid,
     deepseek_v3,

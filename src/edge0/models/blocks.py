@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from edge0 import quant
+from edge0.formats.format import INT4
 from edge0.models.base import Forward
 from edge0.models.int4 import Int4Embedding
 from edge0.models.layers import KVCache, RMSNorm, RotaryEmbedding
@@ -228,11 +228,11 @@ class CausalLM(nn.Module):
                 continue
             if isinstance(m, nn.Linear):
                 n, k = m.weight.shape
-                if n % quant.BLOCK_N == 0 and k % quant.GROUP == 0:
+                if n % INT4.block_rows == 0 and k % INT4.group_size == 0:
                     out.add(f"{name}.weight")
             elif isinstance(m, nn.Embedding):
                 v, d = m.weight.shape
-                if d % quant.GROUP == 0 and (not tied or v % quant.BLOCK_N == 0):
+                if d % INT4.group_size == 0 and (not tied or v % INT4.block_rows == 0):
                     out.add(f"{name}.weight")
         return out
 

@@ -21,7 +21,7 @@ from torch import nn
 from edge0.models.base import config_from_dict
 from edge0.models.blocks import CausalLM, DecoderLayer, ExpertsFactory, MoEBlock
 from edge0.models.layers import MLP, KVCache, KVSpec, RMSNorm, apply_rotary, attend
-from edge0.routing import SigmoidGroup
+from edge0.models.routing import SigmoidGroup
 
 ALIASES = {
     "n_routed_experts": "num_experts",

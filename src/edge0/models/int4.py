@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edge0 import quant
-from edge0.int4_layout import Int4Layout
-from edge0.mlx_format import unpack
+from edge0.formats import quant
+from edge0.formats.int4_layout import Int4Layout
+from edge0.formats.mlx import unpack
 
 GROUP = quant.GROUP
 

@@ -15,7 +15,7 @@ from edge0.models import qwen3_moe
 from edge0.models.base import config_from_dict
 from edge0.models.blocks import CausalLM, DecoderLayer, ExpertsFactory, MoEBlock
 from edge0.models.layers import MLP, Attention, RMSNorm
-from edge0.routing import SoftmaxTopK
+from edge0.models.routing import SoftmaxTopK
 
 
 @dataclass

@@ -13,7 +13,7 @@ from torch import nn
 from edge0.models.base import config_from_dict
 from edge0.models.blocks import CausalLM, DecoderLayer, ExpertsFactory, MoEBlock
 from edge0.models.layers import MLP, Attention, RMSNorm
-from edge0.routing import SoftmaxTopK
+from edge0.models.routing import SoftmaxTopK
 
 
 @dataclass

@@ -30,7 +30,7 @@ arrangement the weights are packed in. `kernel_args(int8=True)` gives the same o
 paths instead (EngineOptions.int4_activations): int8 activation codes, integer dot products,
 the same bits on every path, quant.int4_linear_int8 their reference. The norms add their
 sums in the order ATen's float reduction adds them (as do the weighted sums), whose vector
-width `sum_lanes` finds by comparing with ATen here.
+width the engine finds by comparing with ATen here (engine/native_layer.py sum_lanes).
 
 The library is compiled with the system's C++ compiler against the installed torch's
 headers, in a child process, the first time it is needed (`make` set-up does it: `python -m
@@ -55,9 +55,9 @@ from pathlib import Path
 
 import torch
 
-from edge0 import int4_layout
-from edge0.int4_layout import Int4Layout
-from edge0.store.relayout import default_cache_dir
+from edge0.formats import int4_layout
+from edge0.formats.int4_layout import Int4Layout
+from edge0.util.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -312,39 +312,3 @@ def rms_norm(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
     shape."""
     _load(cache_dir)
     return torch.ops.edge0.rms_norm
-
-
-# Widths tried, most likely first: ATen's float sums run 8 lanes on x86 (its sum kernel has no
-# AVX-512 build), 4 with 128-bit NEON vectors, 16 where a 512-bit build exists.
-SUM_LANES = (8, 4, 16)
-# Row lengths whose sums tell the widths apart (each also crosses a vector boundary)
-_CALIBRATION_SIZES = (1024, 128, 100, 2067)
-
-
-@functools.cache
-def sum_lanes(cache_dir: Path | None = None) -> int | None:
-    """The vector width ATen's float sum reduction adds with in this process, found by
-    computing RMSNorm both ways on random rows: the first of SUM_LANES whose edge0.rms_norm
-    equals layers.py RMSNorm bit for bit on all of them. None (with a warning) if none does:
-    the native layers are then not used."""
-    from edge0.models.layers import RMSNorm
-
-    op = rms_norm(cache_dir)
-    gen = torch.Generator().manual_seed(0)
-    cases = []
-    for n in _CALIBRATION_SIZES:
-        norm = RMSNorm(n, 1e-6)
-        with torch.no_grad():
-            norm.weight.copy_(torch.randn(n, generator=gen))
-            for scale in (1.0, 1e3):
-                x = torch.randn(4, n, generator=gen) * scale
-                cases.append((x, norm.weight, norm(x)))
-    for lanes in SUM_LANES:
-        if all(torch.equal(op(x, w, 1e-6, lanes), ref) for x, w, ref in cases):
-            return lanes
-    log.warning(
-        "the native norms do not add in ATen's order on this CPU (%s); decode layers use the "
-        "PyTorch path",
-        torch.backends.cpu.get_cpu_capability(),
-    )
-    return None

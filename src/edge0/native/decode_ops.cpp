@@ -134,7 +134,7 @@ void norm_in_place(at::Tensor& rows, const at::Tensor& weight, double eps, int64
 // row b's key and value written at position n[b] of its cache buffers [1, G, max, Dh], SDPA
 // of its query over positions 0..n[b], row by row. The norms, the rotary and the residual are
 // loops over floats that round where the module's ops round (norms.cpp; `lanes`:
-// native.sum_lanes), the products edge0's int4 kernels or ATen's on all B rows at once, as the
+// sum_lanes), the products edge0's int4 kernels or ATen's on all B rows at once, as the
 // module's, SDPA ATen's: bit-identical to the module path. `cos` and `sin` hold a row of Dh
 // per sequence. In fp32 it works on the tensors' memory directly, without conversions.
 std::vector<at::Tensor> attention_rows(

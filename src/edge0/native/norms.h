@@ -6,7 +6,7 @@
 // as a (-1, 4) array whose columns accumulate through a cascade of 16-step levels, leftovers
 // into the first column, then the columns together. Vector lanes are independent, so a loop
 // per lane adds what the vector instructions add. The width is the one thing that varies by
-// CPU capability; native.sum_lanes() finds it by comparing with ATen instead of assuming it.
+// CPU capability; sum_lanes in the engine finds it by comparing with ATen instead of assuming it.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from edge0.machine import usable_cores
+from edge0.models.routing import SoftmaxTopK, topk_onehot
 from edge0.prerouter.head import NativeHeads, Prerouter, StackedHeads, features
-from edge0.routing import SoftmaxTopK, topk_onehot
 from edge0.store.pool import Entry, ExpertPool
-from edge0.threads import single_threaded_pool
+from edge0.util.machine import usable_cores
+from edge0.util.threads import single_threaded_pool
 
 
 @dataclass

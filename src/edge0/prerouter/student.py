@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from edge0.models.base import Forward, RoutingObserver
+from edge0.models.routing import topk_onehot
 from edge0.prerouter.head import Prerouter, features
-from edge0.routing import topk_onehot
 
 
 class TeacherForcedRouting(Forward):

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from edge0.limits import CHAT_MAX_TOKENS
-from edge0.prompt import ChatTemplate
 from edge0.server import chat_api, completions_api, errors
 from edge0.server.arrivals import Arrivals, CountArrivals
 from edge0.server.failsafe import Failsafe
@@ -28,7 +26,9 @@ from edge0.server.middleware import Guard
 from edge0.server.protocol import ChatCompletionRequest, CompletionRequest
 from edge0.server.state import ServerState
 from edge0.server.worker import Worker
-from edge0.threads import ComputeThread
+from edge0.text.prompt import ChatTemplate
+from edge0.util.limits import CHAT_MAX_TOKENS
+from edge0.util.threads import ComputeThread
 
 
 @dataclass

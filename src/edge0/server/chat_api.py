@@ -12,8 +12,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from edge0.prompt import ChatPrompt, template_messages
-from edge0.reasoning import REASONING, ThinkSplitter
 from edge0.server.errors import bad_request, error_body
 from edge0.server.jobs import EventStream, shutting_down, sse, token_budget
 from edge0.server.logprobs import TokenLogprob
@@ -21,6 +19,8 @@ from edge0.server.protocol import ChatCompletionRequest
 from edge0.server.state import ServerState, new_id, now
 from edge0.server.tools import ToolCallParser, forced_prefix
 from edge0.server.worker import CANCELLED, SHUTTING_DOWN, Done, Failed, Token
+from edge0.text.prompt import ChatPrompt, template_messages
+from edge0.text.reasoning import REASONING, ThinkSplitter
 
 ENDPOINT = "chat"
 

@@ -8,7 +8,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from edge0.limits import COMPLETIONS_MAX_TOKENS
 from edge0.server.chat_api import usage
 from edge0.server.errors import bad_request, error_body
 from edge0.server.jobs import EventStream, shutting_down, sse, token_budget
@@ -16,6 +15,7 @@ from edge0.server.logprobs import TokenLogprob, legacy_logprobs
 from edge0.server.protocol import CompletionRequest
 from edge0.server.state import ServerState, new_id, now
 from edge0.server.worker import CANCELLED, SHUTTING_DOWN, Failed, Token
+from edge0.util.limits import COMPLETIONS_MAX_TOKENS
 
 ENDPOINT = "completions"
 

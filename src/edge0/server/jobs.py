@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from edge0.sampling import SamplingParams
+from edge0.engine.sampling import SamplingParams
 from edge0.server.errors import APIError, bad_request
 from edge0.server.protocol import CommonRequest
 from edge0.server.worker import (

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from edge0 import memory
-from edge0.engine import GenerationStats
+from edge0.engine.core import GenerationStats
+from edge0.util import memory
 
 
 class EngineCollector(Collector):

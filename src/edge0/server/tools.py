@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge0.stops import partial_suffix
+from edge0.text.stops import partial_suffix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)

@@ -41,13 +41,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from edge0.engine import GenerationStats
-from edge0.sampling import SamplingParams
+from edge0.engine.core import GenerationStats
+from edge0.engine.sampling import SamplingParams
 from edge0.server.arrivals import Arrivals
 from edge0.server.logprobs import HeldLogprobs, TokenLogprob, token_logprob
-from edge0.stops import StopMatcher
-from edge0.threads import ComputeThread
-from edge0.tokenizer import IncrementalDecoder
+from edge0.text.stops import StopMatcher
+from edge0.text.tokenizer import IncrementalDecoder
+from edge0.util.threads import ComputeThread
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0.int4_layout import UNRECORDED, by_name
-from edge0.store.extents import ALIGN
+from edge0.formats.extents import ALIGN
+from edge0.formats.int4_layout import UNRECORDED, by_name
 
 log = logging.getLogger(__name__)
 

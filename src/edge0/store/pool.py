@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from edge0 import quant
-from edge0.int4_layout import Int4Layout
+from edge0.formats import quant
+from edge0.formats.extents import ExpertTensors, ExtentLayout
+from edge0.formats.int4_layout import Int4Layout
 from edge0.store.expert_file import ExpertFile
-from edge0.store.extents import ExpertTensors, ExtentLayout
-from edge0.threads import single_threaded_pool
+from edge0.util.threads import single_threaded_pool
 
 log = logging.getLogger(__name__)
 

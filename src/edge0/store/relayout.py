@@ -21,22 +21,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0.checkpoint import sha256_file
-from edge0.int4_layout import UNRECORDED, Int4Layout, by_name
+from edge0.formats.checkpoint import sha256_file
+from edge0.formats.extents import ALIGN, ExtentLayout
+from edge0.formats.int4_layout import UNRECORDED, Int4Layout, by_name
+from edge0.formats.writer import StreamingSafetensors
 from edge0.store.expert_file import FILE_NAME, LAYOUT_KEY, ExpertFile, read_table, tensor_name
-from edge0.store.extents import ALIGN, ExtentLayout
-from edge0.store.writer import StreamingSafetensors
+from edge0.util.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("cache", "on-read")
 SOURCE_KEY = "source_sha256"  # header metadata of a copy: the file it was repacked from
 CHUNK_BYTES = 64 << 20  # extents repacked per read while copying
-
-
-def default_cache_dir() -> Path:
-    """$XDG_CACHE_HOME/edge0, else ~/.cache/edge0."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edge0"
 
 
 def stored_int4(path: Path) -> Int4Layout:

@@ -1,6 +1,6 @@
 """Text for the training phases: the built-in stdlib corpus or the user's files.
 
-`--data stdlib` is the corpus of `edge0.corpus` (train split; its held-out split for
+`--data stdlib` is the corpus of `edge0.text.corpus` (train split; its held-out split for
 evaluation). Otherwise --data names text files or directories (every *.py, *.txt, *.md,
 *.jsonl... regular file below them, in sorted order); their held-out share is chosen by a
 hash of each file's path, like the corpus, so it is stable across runs.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from edge0 import corpus
+from edge0.text import corpus
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".jsonl", ".c", ".h", ".js", ".ts", ".html"}
 

@@ -29,13 +29,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from edge0 import memory, modeldir
-from edge0.engine import load_engine
-from edge0.options import EngineOptions
+from edge0 import modeldir
+from edge0.engine.core import load_engine
+from edge0.engine.options import EngineOptions
+from edge0.models.routing import topk_onehot
 from edge0.prerouter.head import DEFAULT_WIDTH, Prerouter, Wiring, features
-from edge0.routing import topk_onehot
-from edge0.tokenizer import load_tokenizer
+from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common
+from edge0.util import memory
 
 log = logging.getLogger(__name__)
 

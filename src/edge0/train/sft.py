@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from edge0 import lora
-from edge0.sampling import SamplingParams
-from edge0.tokenizer import load_tokenizer
+from edge0.engine.sampling import SamplingParams
+from edge0.models import lora
+from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common
 from edge0.train.student import load_student, load_teacher, sample, train_lora
 

@@ -17,12 +17,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0 import decode, loader, lora, modeldir
-from edge0.plan import resolve_top_k
+from edge0 import modeldir
+from edge0.engine import decode
+from edge0.engine.plan import resolve_top_k
+from edge0.engine.sampling import Sampler, SamplingParams
+from edge0.modeldir import loader
+from edge0.models import lora
 from edge0.prerouter.head import Prerouter
 from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
-from edge0.sampling import Sampler, SamplingParams
 from edge0.train import common
 
 

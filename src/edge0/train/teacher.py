@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from edge0 import loader
+from edge0.formats.writer import StreamingSafetensors
+from edge0.modeldir import loader
 from edge0.models import qwen3_moe
 from edge0.models.base import Forward
 from edge0.models.experts import ResidentExperts
-from edge0.store.writer import StreamingSafetensors
-from edge0.tokenizer import load_tokenizer
+from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common, teacher_data
 from edge0.train.passes import PassOrder
 

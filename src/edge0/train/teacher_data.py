@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from edge0 import corpus
-from edge0.tokenizer import load_tokenizer
-from edge0.tokenizer_train import train_bpe
+from edge0.text import corpus
+from edge0.text.tokenizer import load_tokenizer
+from edge0.text.tokenizer_train import train_bpe
 from edge0.train import common
 from edge0.train.data import load_texts, read_files
 

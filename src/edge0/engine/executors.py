@@ -27,11 +27,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from edge0 import native, quant
-from edge0.int4_layout import Int4Layout
+from edge0 import native
+from edge0.engine.options import EXPERT_KERNELS
+from edge0.formats import quant
+from edge0.formats.extents import ExpertTensors, ExtentLayout
+from edge0.formats.int4_layout import Int4Layout
 from edge0.models.experts import for_each_expert, swiglu_dense
-from edge0.options import EXPERT_KERNELS
-from edge0.store.extents import ExpertTensors, ExtentLayout
 from edge0.store.pool import Entry, ExpertPool
 
 log = logging.getLogger(__name__)

@@ -41,12 +41,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from edge0 import lora, modeldir, quant
+from edge0 import modeldir
 from edge0.convert import convert
+from edge0.engine.plan import resolve_top_k
+from edge0.formats import quant
+from edge0.models import lora
 from edge0.models.experts import ResidentExperts
 from edge0.models.layers import Attention
-from edge0.plan import resolve_top_k
-from edge0.tokenizer import load_tokenizer
+from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common
 from edge0.train.student import load_student, load_teacher
 
@@ -249,7 +251,7 @@ def lora_retention(
     (both dequantized). Logits-level: 1 - |U - M| / |U - B| on the
     first-token logits of `prompt_ids` (U unmerged, M merged, B no adapter).
     """
-    from edge0 import quant
+    from edge0.formats import quant
 
     student = load_student(model_dir, top_k=top_k, heads=heads, lora_file=lora_path)
     model = student.model

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edge0.checkpoint import TensorInfo
+from edge0.formats.checkpoint import TensorInfo
 
 CONFIG_KEYS = ("quantization", "quantization_config")
 SCALE_DTYPES = ("BF16", "F16", "F32")

@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from edge0.checkpoint import check_dir, read_json
-from edge0.int4_layout import UNRECORDED, by_name
-from edge0.store.extents import ExtentLayout
+from edge0.formats.checkpoint import check_dir, read_json
+from edge0.formats.extents import ExtentLayout
+from edge0.formats.format import INT4
+from edge0.formats.int4_layout import UNRECORDED, by_name
 
 FORMAT_VERSION = 1
 MANIFEST = "edge0.json"
@@ -58,14 +59,7 @@ class Manifest:
             format_version=FORMAT_VERSION,
             family=family,
             quantization={
-                "experts": {
-                    "bits": 4,
-                    "group_size": 64,
-                    "scheme": "affine",
-                    "stored": "w = scale * q + bias (MLX convention)",
-                    "kernel": "aten._weight_int4pack_mm_for_cpu",
-                    "layout": layout.int4.name,  # arrangement of the codes (int4_layout.py)
-                },
+                "experts": INT4.describe(layout.int4.name),
                 # "int4": projections and embeddings as MLX affine int4 (models/int4.py)
                 "resident": resident,
             },

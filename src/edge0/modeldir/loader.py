@@ -17,8 +17,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from edge0 import modeldir
-from edge0.checkpoint import Checkpoint, ExpertSource, ServedCheckpoint, check_dir
-from edge0.int4_layout import host_layout
+from edge0.formats.checkpoint import Checkpoint, ExpertSource, ServedCheckpoint, check_dir
+from edge0.formats.int4_layout import host_layout
 from edge0.models import int4, load_config
 from edge0.models.experts import ExpertSlot, ResidentExperts
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE

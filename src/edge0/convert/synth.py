@@ -17,15 +17,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0 import int4_layout, modeldir
-from edge0.checkpoint import sha256_file
-from edge0.loader import build
+from edge0 import modeldir
+from edge0.formats import int4_layout
+from edge0.formats.checkpoint import sha256_file
+from edge0.formats.extents import ExtentLayout
+from edge0.formats.format import INT4
+from edge0.formats.writer import StreamingSafetensors
+from edge0.modeldir.loader import build
 from edge0.models import int4, qwen3_moe
 from edge0.models.experts import ExpertSlot
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import LAYOUT_KEY, tensor_name
-from edge0.store.extents import ExtentLayout
-from edge0.store.writer import StreamingSafetensors
 
 STD = 0.02  # HF initializer_range
 # With every weight at STD, random layers push all tokens' hidden states towards one shared
@@ -138,7 +140,7 @@ def synth(
     declared = []
     for name, s in specs:
         if name in as_int4:
-            module, groups = name.removesuffix(".weight"), (s[0], s[1] // 64)
+            module, groups = name.removesuffix(".weight"), (s[0], INT4.groups(s[1]))
             declared += [
                 (name, torch.uint32, (s[0], s[1] // 8)),
                 (f"{module}.scales", torch.bfloat16, groups),
@@ -244,8 +246,8 @@ def _tokenizer(out: Path, tokenizer_dir: Path | None, vocab: int) -> None:
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
                 shutil.copy2(f, out / f.name)
         return
-    from edge0 import corpus
-    from edge0.tokenizer_train import train_bpe
+    from edge0.text import corpus
+    from edge0.text.tokenizer_train import train_bpe
 
     docs = [d.text for _, d in zip(range(200), corpus.documents("train"), strict=False)]
     train_bpe(docs, min(vocab, 4096), out)

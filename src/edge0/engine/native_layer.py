@@ -30,17 +30,56 @@ Shape legend: D hidden, H query heads, G kv heads, Dh head dim.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from edge0 import native
-from edge0.lora import LoraLinear
 from edge0.models.blocks import DecoderLayer, MoEBlock
 from edge0.models.int4 import Int4Linear
 from edge0.models.layers import Attention, KVCache, RMSNorm, RowCaches
-from edge0.routing import SoftmaxTopK
+from edge0.models.lora import LoraLinear
+from edge0.models.routing import SoftmaxTopK
+
+log = logging.getLogger(__name__)
+
+
+# Widths tried, most likely first: ATen's float sums run 8 lanes on x86 (its sum kernel has no
+# AVX-512 build), 4 with 128-bit NEON vectors, 16 where a 512-bit build exists.
+SUM_LANES = (8, 4, 16)
+# Row lengths whose sums tell the widths apart (each also crosses a vector boundary)
+_CALIBRATION_SIZES = (1024, 128, 100, 2067)
+
+
+@functools.cache
+def sum_lanes(cache_dir: Path | None = None) -> int | None:
+    """The vector width ATen's float sum reduction adds with in this process, found by
+    computing RMSNorm both ways on random rows: the first of SUM_LANES whose edge0.rms_norm
+    equals layers.py RMSNorm bit for bit on all of them. None (with a warning) if none does:
+    the native layers are then not used."""
+    op = native.rms_norm(cache_dir)
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for n in _CALIBRATION_SIZES:
+        norm = RMSNorm(n, 1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(n, generator=gen))
+            for scale in (1.0, 1e3):
+                x = torch.randn(4, n, generator=gen) * scale
+                cases.append((x, norm.weight, norm(x)))
+    for lanes in SUM_LANES:
+        if all(torch.equal(op(x, w, 1e-6, lanes), ref) for x, w, ref in cases):
+            return lanes
+    log.warning(
+        "the native norms do not add in ATen's order on this CPU (%s); decode layers use the "
+        "PyTorch path",
+        torch.backends.cpu.get_cpu_capability(),
+    )
+    return None
 
 
 def _projection(m: nn.Module) -> tuple[list[torch.Tensor], float] | None:
@@ -212,7 +251,7 @@ def native_layers(model: nn.Module, cache_dir=None, int8: bool = False) -> dict[
     """The stand-in for every decoder layer the op serves, by layer index (none where the
     float sums' order could not be matched here: see native.sum_lanes); `int8`: its int4
     projections through the int8-activation kernel."""
-    lanes = native.sum_lanes(cache_dir)
+    lanes = sum_lanes(cache_dir)
     if lanes is None:
         return {}
     ops = (

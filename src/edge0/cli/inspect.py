@@ -24,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from edge0 import memory, modeldir
-from edge0.checkpoint import INDEX_NAME, check_dir, is_adapter_file, read_header, read_json
-from edge0.mlx_format import QuantConfig, QuantParams, split_quantized
-from edge0.options import EngineOptions
-from edge0.plan import ModelSizes, make_plan, prediction_routed_layers, resolve_top_k
-from edge0.quant import GROUP
-from edge0.store.extents import ExtentLayout
+from edge0 import modeldir
+from edge0.engine.options import EngineOptions
+from edge0.engine.plan import ModelSizes, make_plan, prediction_routed_layers, resolve_top_k
+from edge0.formats.checkpoint import INDEX_NAME, check_dir, is_adapter_file, read_header, read_json
+from edge0.formats.extents import ExtentLayout
+from edge0.formats.format import INT4
+from edge0.formats.mlx import QuantConfig, QuantParams, split_quantized
+from edge0.util import memory
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def inspect_dir(
     qcfg = QuantConfig.from_config(raw, str(path / "config.json"))
     manifest = read_json(path / "edge0.json", "edge0 manifest") if fmt == "edge0" else None
     if manifest and manifest.get("quantization", {}).get("resident") == "int4":
-        qcfg = QuantConfig(QuantParams(GROUP, 4), {})  # MLX's affine int4 format
+        qcfg = QuantConfig(QuantParams(INT4.group_size, INT4.bits), {})  # MLX's affine int4 format
     files = weight_files(path, fmt)
     tensors = read_tensors(files, qcfg)
 
@@ -369,7 +370,7 @@ def state_bytes(path: Path, raw: dict, tokens: int, dtype: torch.dtype) -> tuple
     """Per-request state (KV cache, recurrent states) after `tokens` tokens, and its source:
     the model's own cache, allocated on the meta device, when edge0 serves this family, else a
     config estimate."""
-    from edge0.loader import build
+    from edge0.modeldir.loader import build
     from edge0.models import load_config
     from edge0.models.experts import ExpertSlot
 
@@ -444,7 +445,7 @@ def int4_resident(path: Path, raw: dict, fmt: str, tensors: list[Tensor]) -> tup
     """(bytes as held, parameters) of the resident weights edge0 serves as int4: those an
     edge0 directory stores so, an MLX checkpoint's 4-bit ones (kept bit for bit), or for a
     Hugging Face checkpoint of a family edge0 serves, those `convert` would quantize."""
-    from edge0.plan import int4_held_bytes
+    from edge0.engine.plan import int4_held_bytes
 
     tied = bool(_first(flat_config(raw), "tie_word_embeddings", default=False))
     resident = [t for t in tensors if t.kind not in ("routed", "unused")]
@@ -452,7 +453,7 @@ def int4_resident(path: Path, raw: dict, fmt: str, tensors: list[Tensor]) -> tup
         chosen = [t for t in resident if t.bits == 4]
     else:
         try:
-            from edge0.loader import build
+            from edge0.modeldir.loader import build
             from edge0.models import load_config
             from edge0.models.experts import ExpertSlot
 
@@ -471,7 +472,7 @@ def int4_resident(path: Path, raw: dict, fmt: str, tensors: list[Tensor]) -> tup
 def _consumers(path: Path, fmt: str, moe_layers: int) -> int:
     """Prediction-routed layers of the directory's prerouter heads."""
     if fmt == "edge0":
-        from edge0.loader import build
+        from edge0.modeldir.loader import build
         from edge0.models import load_config
         from edge0.models.experts import ExpertSlot
 

@@ -2,7 +2,7 @@
 
 `edge0/builtin/model` is an edge0 directory (int4 experts, prerouter heads, recovery LoRA);
 `edge0/builtin/teacher` is the full-precision (bf16) Hugging Face model it was made from.
-Both are built from scratch by `make builtin-model` (`python -m edge0.builtin_build`); see
+Both are built from scratch by `make builtin-model` (`python -m edge0.cli.builtin_build`); see
 docs/builtin-model.md for what they are and how well they do.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).parent / "builtin"
+ROOT = Path(__file__).parent
 
 
 def model_dir() -> Path:

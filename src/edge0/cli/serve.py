@@ -35,8 +35,8 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
-    from edge0 import limits, memory
-    from edge0.cli_args import add_engine_args
+    from edge0.cli.args import add_engine_args
+    from edge0.util import limits, memory
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument(
@@ -91,11 +91,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from edge0.cli_args import default_model_dir, engine_options
-    from edge0.engine import load_engine
+    from edge0.cli.args import default_model_dir, engine_options
+    from edge0.engine.core import load_engine
     from edge0.server.app import ServerOptions, create_app
     from edge0.server.lifecycle import serve
-    from edge0.threads import ComputeThread
+    from edge0.util.threads import ComputeThread
 
     if args.default_max_tokens < 0:
         raise ValueError(

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from edge0.limits import CHAT_MAX_TOKENS
+from edge0.util.limits import CHAT_MAX_TOKENS
 
 HELP = """commands:
   /reset   forget the conversation
@@ -39,7 +39,7 @@ class ChatSession:
         system: str | None = None,
         template_kwargs: dict | None = None,
     ):
-        from edge0.prompt import ChatTemplate
+        from edge0.text.prompt import ChatTemplate
 
         self.engine = engine
         self.sampling = sampling
@@ -64,8 +64,8 @@ class ChatSession:
 
     def reply(self, text: str, out: TextIO) -> str:
         """Answer `text`, writing the answer to `out` as it is generated; returns the answer."""
-        from edge0.reasoning import ThinkSplitter
-        from edge0.tokenizer import IncrementalDecoder
+        from edge0.text.reasoning import ThinkSplitter
+        from edge0.text.tokenizer import IncrementalDecoder
 
         turn = [*self.messages, {"role": "user", "content": text}]
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -100,7 +100,7 @@ class ChatSession:
         return answer
 
     def stats(self) -> str:
-        from edge0 import memory
+        from edge0.util import memory
 
         now = memory.sample()
         lines = [
@@ -209,7 +209,7 @@ def _ctrl_c_stops(session: ChatSession):
 
 
 def add_chat_parser(sub) -> argparse.ArgumentParser:
-    from edge0.cli_args import add_engine_args, add_sampling_args
+    from edge0.cli.args import add_engine_args, add_sampling_args
 
     c = sub.add_parser(
         "chat",
@@ -246,8 +246,8 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None):
-    from edge0.cli_args import default_model_dir, engine_options, sampling_params
-    from edge0.engine import load_engine
+    from edge0.cli.args import default_model_dir, engine_options, sampling_params
+    from edge0.engine.core import load_engine
 
     stdin = stdin if stdin is not None else sys.stdin  # None when started without one
     out = out or sys.stdout

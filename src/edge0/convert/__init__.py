@@ -21,21 +21,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0 import int4_layout, memory, modeldir, quant
-from edge0.checkpoint import (
+from edge0 import modeldir
+from edge0.formats import int4_layout, quant
+from edge0.formats.checkpoint import (
     Checkpoint,
     ExpertSource,
     ServedCheckpoint,
     check_dir,
     sha256_file,
 )
-from edge0.loader import build, expert_prefixes
+from edge0.formats.extents import ExtentLayout
+from edge0.formats.writer import StreamingSafetensors
+from edge0.modeldir.loader import build, expert_prefixes
 from edge0.models import int4, load_config
 from edge0.models.experts import ExpertSlot
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import LAYOUT_KEY, tensor_name
-from edge0.store.extents import ExtentLayout
-from edge0.store.writer import StreamingSafetensors
+from edge0.util import memory
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,15 @@
 """`edge0 train teacher|heads|sft|opd` and `edge0 eval`: the training phases and the quality
-table, parsed here and run by edge0.train and edge0.evaluate."""
+table, parsed here and run by edge0.train and edge0.train.evaluate."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from edge0 import memory, modeldir
-from edge0.cli_args import config_from_args, default_model_dir, default_teacher_dir
-from edge0.plan import resolve_top_k
+from edge0 import modeldir
+from edge0.cli.args import config_from_args, default_model_dir, default_teacher_dir
+from edge0.engine.plan import resolve_top_k
+from edge0.util import memory
 
 
 def cmd_train_teacher(args: argparse.Namespace) -> int:
@@ -282,13 +283,13 @@ def add_train_parsers(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from edge0 import evaluate
+    from edge0.train import evaluate
 
     target = list(args.target)
     if target and target[0] == "lora-retention":
         model_dir = Path(target[1]) if len(target) > 1 else None
         model_dir = model_dir or default_model_dir()
-        from edge0.tokenizer import load_tokenizer
+        from edge0.text.tokenizer import load_tokenizer
 
         ids = load_tokenizer(model_dir).encode(args.prompt)
         lora_path = args.lora or model_dir / "lora.safetensors"

@@ -33,27 +33,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from edge0 import decode, int4_layout, lora, memory, modeldir, native, quant
-from edge0.loader import load_edge0_model
-from edge0.models.base import Forward
-from edge0.models.layers import CacheSnapshot, KVCache
-from edge0.native.layer import native_layers
-from edge0.options import INT4_ACTIVATIONS, EngineOptions
-from edge0.plan import ServingPlan, make_plan, model_dir_sizes
-from edge0.prefix_cache import PrefixCache, PrefixStats
-from edge0.prerouter.head import Prerouter
-from edge0.prerouter.runtime import (
-    PrerouterRuntime,
-    PrerouterState,
-    PrerouterStats,
-    flush_rows,
-)
-from edge0.sampling import Sampler, SamplingParams
-from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
-from edge0.store.expert_file import ExpertFile
-from edge0.store.pool import ExpertPool, PoolStats
-from edge0.store.relayout import experts_for_host
-from edge0.streaming.executors import (
+from edge0 import modeldir, native
+from edge0.engine import decode
+from edge0.engine.executors import (
     ExactExecutor,
     FusedExperts,
     PrefillPlan,
@@ -63,7 +45,29 @@ from edge0.streaming.executors import (
     row_experts,
     rows_together,
 )
-from edge0.tokenizer import eos_ids, load_tokenizer
+from edge0.engine.native_layer import native_layers
+from edge0.engine.options import INT4_ACTIVATIONS, EngineOptions
+from edge0.engine.plan import ServingPlan, make_plan, model_dir_sizes
+from edge0.engine.prefix_cache import PrefixCache, PrefixStats
+from edge0.engine.sampling import Sampler, SamplingParams
+from edge0.formats import int4_layout, quant
+from edge0.modeldir.loader import load_edge0_model
+from edge0.models import lora
+from edge0.models.base import Forward
+from edge0.models.layers import CacheSnapshot, KVCache
+from edge0.prerouter.head import Prerouter
+from edge0.prerouter.runtime import (
+    PrerouterRuntime,
+    PrerouterState,
+    PrerouterStats,
+    flush_rows,
+)
+from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
+from edge0.store.expert_file import ExpertFile
+from edge0.store.pool import ExpertPool, PoolStats
+from edge0.store.relayout import experts_for_host
+from edge0.text.tokenizer import eos_ids, load_tokenizer
+from edge0.util import memory
 
 log = logging.getLogger(__name__)
 

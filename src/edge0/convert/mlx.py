@@ -24,8 +24,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from edge0 import memory, modeldir
-from edge0.checkpoint import (
+from edge0 import modeldir
+from edge0.convert import (
+    ConvertReport,
+    check_out_dir,
+    expected_resident,
+    moe_layers,
+    write_model_dir,
+)
+from edge0.formats.checkpoint import (
     DTYPES,
     Checkpoint,
     TensorInfo,
@@ -34,20 +41,15 @@ from edge0.checkpoint import (
     read_json,
     sha256_file,
 )
-from edge0.convert import (
-    ConvertReport,
-    check_out_dir,
-    expected_resident,
-    moe_layers,
-    write_model_dir,
-)
-from edge0.loader import build
-from edge0.mlx_format import CONFIG_KEYS, QuantConfig, QuantTensor, dequantize, split_quantized
-from edge0.mlx_format import unpack as unpack_words
+from edge0.formats.extents import ExtentLayout
+from edge0.formats.format import INT4
+from edge0.formats.mlx import CONFIG_KEYS, QuantConfig, QuantTensor, dequantize, split_quantized
+from edge0.formats.mlx import unpack as unpack_words
+from edge0.modeldir.loader import build
 from edge0.models import load_config
 from edge0.models.experts import ExpertSlot
 from edge0.models.layers import ZeroCenteredRMSNorm
-from edge0.store.extents import ExtentLayout
+from edge0.util import memory
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +185,7 @@ class MLXCheckpoint:
         """A weight stored as 4-bit group-64 with bf16 scales, as its (words, scales, biases):
         exactly edge0's int4 resident format, so it is kept bit for bit. None otherwise."""
         stored, qt = self.entries[key]
-        if qt is None or (qt.params.bits, qt.params.group_size) != (4, 64):
+        if qt is None or not INT4.accepts(qt.params.bits, qt.params.group_size):
             return None
         if qt.scales.dtype != "BF16" or len(qt.shape) != 2:
             return None
@@ -241,11 +243,10 @@ class MLXExperts:
                     "is missing (looked for it with and without a language_model. prefix)"
                 )
             p = qt.params
-            if (p.bits, p.group_size) != (4, 64):
+            if not INT4.accepts(p.bits, p.group_size):
                 raise ValueError(
                     f"{ckpt.path}: {qt.module}.weight is {p.bits}-bit group {p.group_size}; "
-                    "edge0 extents hold 4-bit group-64 experts (convert the float checkpoint "
-                    "instead)"
+                    f"edge0 extents hold {INT4.name} experts (convert the float checkpoint instead)"
                 )
             if qt.shape != shape:
                 raise ValueError(

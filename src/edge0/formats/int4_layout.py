@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from edge0 import quant
+from edge0.formats import quant
 
 
 class KernelLayoutError(RuntimeError):

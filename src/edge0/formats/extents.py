@@ -18,10 +18,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from edge0 import quant
-from edge0.int4_layout import UNRECORDED, Int4Layout, relayout
+from edge0.formats import quant
+from edge0.formats.format import INT4, Format
+from edge0.formats.int4_layout import UNRECORDED, Int4Layout, relayout
 
-ALIGN = 4096
+ALIGN = INT4.extent_align
 _FIELD_ALIGN = 64
 
 
@@ -47,14 +48,15 @@ class ExtentLayout:
     hidden: int
     inter: int
     int4: Int4Layout = UNRECORDED
+    format: Format = INT4
 
     def __post_init__(self) -> None:
-        quant.check_quantizable("expert gate/up projection", 2 * self.inter, self.hidden)
-        quant.check_quantizable("expert down projection", self.hidden, self.inter)
+        self.format.check_quantizable("expert gate/up projection", 2 * self.inter, self.hidden)
+        self.format.check_quantizable("expert down projection", self.hidden, self.inter)
 
     @property
     def fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
-        d, i, g = self.hidden, self.inter, quant.GROUP
+        d, i, g = self.hidden, self.inter, self.format.group_size
         shapes = {
             "w13": (torch.uint8, (2 * i, d // 2)),
             "w2": (torch.uint8, (d, i // 2)),
@@ -77,7 +79,7 @@ class ExtentLayout:
 
     @property
     def nbytes(self) -> int:
-        return _round_up(self.payload_bytes, ALIGN)
+        return _round_up(self.payload_bytes, self.format.extent_align)
 
     def with_int4(self, int4: Int4Layout) -> ExtentLayout:
         return replace(self, int4=int4)

@@ -22,8 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from edge0 import builtin, cli, machine, modeldir
-from edge0.checkpoint import sha256_file
+from edge0 import builtin, modeldir
+from edge0.cli import main as cli
+from edge0.formats.checkpoint import sha256_file
+from edge0.util import machine
 
 # Of the native 8: with the 3-pass teacher, halving K under the model's own router already
 # costs 5.0% held-out perplexity, K=6 1.2% (docs/builtin-model.md)
@@ -183,7 +185,7 @@ def ship(work: Path, timings: dict, machines: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m edge0.builtin_build", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m edge0.cli.builtin_build", description=__doc__)
     p.add_argument("--work", type=Path, default=Path("build/builtin"), help="work directory")
     p.add_argument("--no-ship", action="store_true", help="do not copy into the package")
     args = p.parse_args(argv)

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import torch
 
-from edge0 import memory, modeldir
-from edge0.checkpoint import read_header
-from edge0.options import EngineOptions
+from edge0 import modeldir
+from edge0.engine.options import EngineOptions
+from edge0.formats.checkpoint import read_header
+from edge0.formats.format import INT4
+from edge0.util import memory
 
 # What a process needs beyond the floor and the pool (torch, the tokenizer, Python, the
 # allocator's retained heap): 0.36 GiB after load and 0.11 GiB more while decoding, measured on
@@ -236,10 +238,10 @@ def _params(path: Path) -> int:
 
 
 def int4_held_bytes(out: int, inp: int, embedding: bool = False, tied: bool = False) -> int:
-    """Bytes an int4 resident weight [out, inp] takes loaded (models/int4.py): codes at 4 bits
-    plus a (scale, zero) or (scale, bias) pair per group of 64, and for a tied embedding the
-    packed copy its output projection runs on."""
-    one = out * inp // 2 + 4 * out * (inp // 64)
+    """Bytes an int4 resident weight [out, inp] takes loaded (models/int4.py): codes plus a
+    (scale, zero) or (scale, bias) pair per group, and for a tied embedding the packed copy
+    its output projection runs on."""
+    one = INT4.held_bytes(out, inp)
     return 2 * one if embedding and tied else one
 
 
@@ -313,7 +315,7 @@ def model_dir_sizes(path: Path, manifest: modeldir.Manifest, model, options: Eng
 def plan_for_dir(path: Path | str, options: EngineOptions) -> ServingPlan:
     """The plan for serving an edge0 directory with `options`, from headers and a meta-device
     model (no weights read): what load_engine would allocate."""
-    from edge0.loader import build
+    from edge0.modeldir.loader import build
     from edge0.models import load_config
     from edge0.models.experts import ExpertSlot
 

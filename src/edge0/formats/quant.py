@@ -14,17 +14,11 @@ from __future__ import annotations
 
 import torch
 
-GROUP = 64
-BITS = 4
-BLOCK_N = 32  # every int4pack arrangement tiles output rows in blocks of 32 or 64 (+ a 32 tail)
+from edge0.formats.format import INT4
 
-
-def check_quantizable(name: str, n: int, k: int) -> None:
-    """Raise ValueError unless an [n, k] matrix fits the int4 group-64 kernel layout."""
-    if k % GROUP:
-        raise ValueError(f"{name}: input dimension {k} is not a multiple of {GROUP}")
-    if n % BLOCK_N:
-        raise ValueError(f"{name}: output dimension {n} is not a multiple of {BLOCK_N}")
+GROUP = INT4.group_size
+BITS = INT4.bits
+check_quantizable = INT4.check_quantizable
 
 
 def quantize_affine(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -38,7 +32,7 @@ def quantize_affine(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     g = w.float().reshape(n, k // GROUP, GROUP)
     w_max = g.amax(-1)
     w_min = g.amin(-1)
-    n_bins = float(2**BITS - 1)
+    n_bins = float(INT4.levels)
     mask = w_min.abs() > w_max.abs()
     scale = torch.clamp((w_max - w_min) / n_bins, min=1e-7)
     scale = torch.where(mask, scale, -scale)

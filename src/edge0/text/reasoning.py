@@ -7,7 +7,7 @@ one cut off inside the block is all reasoning.
 
 from __future__ import annotations
 
-from edge0.stops import partial_suffix
+from edge0.text.stops import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
 REASONING, CONTENT = "reasoning", "content"

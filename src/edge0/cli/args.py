@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from edge0 import memory, modeldir
-from edge0.options import DEFAULT_IO_MODE, EXPERT_KERNELS, INT4_ACTIVATIONS, EngineOptions
+from edge0 import modeldir
+from edge0.engine.options import DEFAULT_IO_MODE, EXPERT_KERNELS, INT4_ACTIVATIONS, EngineOptions
 from edge0.store.expert_file import IO_MODES
 from edge0.store.relayout import POLICIES
+from edge0.util import memory
 
 # Library errors name option fields; the CLI says which flag sets each.
 FLAGS = {
@@ -267,7 +268,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace):
-    from edge0.sampling import SamplingParams
+    from edge0.engine.sampling import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k, seed=args.seed

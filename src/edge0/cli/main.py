@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 
-from edge0 import memory, runtime
 from edge0.bench.serving import ServingConfig
-from edge0.cli_args import (
+from edge0.cli.args import (
     add_engine_args,
     add_sampling_args,
     config_from_args,
@@ -26,12 +25,13 @@ from edge0.cli_args import (
     sampling_params,
     with_flags,
 )
-from edge0.cli_train import add_eval_parser, add_train_parsers
-from edge0.int4_layout import LAYOUTS
+from edge0.cli.train import add_eval_parser, add_train_parsers
+from edge0.engine.options import DEFAULT_IO_MODE, INT4_ACTIVATIONS, EngineOptions
+from edge0.engine.plan import RUNTIME_RESERVE
+from edge0.formats.int4_layout import LAYOUTS
 from edge0.native import NativeUnavailable
-from edge0.options import DEFAULT_IO_MODE, INT4_ACTIVATIONS, EngineOptions
-from edge0.plan import RUNTIME_RESERVE
 from edge0.store.expert_file import IO_MODES
+from edge0.util import malloc, memory
 
 log = logging.getLogger("edge0")
 
@@ -51,7 +51,7 @@ USER_ERRORS = (
 
 def cmd_convert(args: argparse.Namespace) -> int:
     if args.from_mlx:
-        from edge0.mlx_import import import_mlx as convert
+        from edge0.convert.mlx import import_mlx as convert
     else:
         from edge0.convert import convert
 
@@ -77,8 +77,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from edge0.engine import load_engine
-    from edge0.tokenizer import IncrementalDecoder
+    from edge0.engine.core import load_engine
+    from edge0.text.tokenizer import IncrementalDecoder
 
     engine = load_engine(args.model_dir or default_model_dir(), engine_options(args))
     try:
@@ -206,7 +206,7 @@ def bench_peer(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from edge0.synth import Shape, synth
+    from edge0.convert.synth import Shape, synth
 
     shape = config_from_args(Shape, args, top_k="native_top_k")
 
@@ -270,7 +270,7 @@ def add_inspect_parser(sub) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from edge0.inspect import format_report, inspect_dir
+    from edge0.cli.inspect import format_report, inspect_dir
 
     report = inspect_dir(
         args.model_dir,
@@ -340,8 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_parsers(sub)
     add_eval_parser(sub)
-    from edge0.chat import add_chat_parser
-    from edge0.server.cli import add_serve_parser
+    from edge0.cli.chat import add_chat_parser
+    from edge0.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
     add_chat_parser(sub)
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    runtime.tune_malloc()
+    malloc.tune_malloc()
     try:
         return args.func(args)
     except USER_ERRORS as e:

@@ -1,0 +1,1 @@
+"""The `edge0` command line: one module per command group."""

@@ -1,0 +1,1 @@
+"""The engine: a loaded model, its plan, pool, backend and scheduler."""

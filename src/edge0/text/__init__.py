@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers, chat prompts, stop strings, reasoning, corpora."""

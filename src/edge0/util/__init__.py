@@ -1,0 +1,1 @@
+"""Operating-system helpers: memory, cgroups, threads, the machine, malloc."""
