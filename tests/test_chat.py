@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from edge0.cli.chat import ChatSession, add_chat_parser, cmd_chat, repl
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.sampling import SamplingParams
 from test_server import ScriptedEngine, make_chat_model
 

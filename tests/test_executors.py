@@ -6,13 +6,10 @@ import pytest
 import torch
 
 from edge0.convert import convert
-from edge0.engine.executors import (
-    ExactExecutor,
-    PrefillPlan,
-    WholeLayerExecutor,
-    decode_experts,
-    torch_experts,
-)
+from edge0.engine.backends.native import NativeBackend
+from edge0.engine.backends.torch import TorchExperts
+from edge0.engine.executors import ExactExecutor, PrefillPlan, WholeLayerExecutor
+from edge0.engine.options import EngineOptions
 from edge0.formats.int4_layout import host_layout
 from edge0.modeldir import Manifest
 from edge0.modeldir.loader import load_edge0_model
@@ -42,6 +39,11 @@ def rel_l2(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def native_ops(pool: ExpertPool):
+    """The native backend's expert ops for the arrangement `pool` holds."""
+    return NativeBackend(EngineOptions()).expert_ops(pool.layout.int4)
+
+
 def make_pool(model_dir, slots: int) -> ExpertPool:
     manifest = Manifest.load(model_dir)
     layout = manifest.layout().with_int4(host_layout())  # what the kernel here wants
@@ -59,11 +61,12 @@ def test_executor_matches_dequantized_reference(model_dir, path, tokens):
     slots = 5 if path == "whole_layer_tight" else 64
     pool = make_pool(model_dir, slots)
     if path == "exact":
-        ex = ExactExecutor(pool, 1)
+        ex = ExactExecutor(pool, 1, TorchExperts())
     elif path == "exact_fused":
-        ex = ExactExecutor(pool, 1, decode_experts("fused"))
+        ex = ExactExecutor(pool, 1, native_ops(pool))
     else:
-        ex = WholeLayerExecutor(pool, 1, PrefillPlan(pool, [0, 1, 2], 16, tokens * 4))
+        plan = PrefillPlan(pool, [0, 1, 2], 16, tokens * 4)
+        ex = WholeLayerExecutor(pool, 1, plan, TorchExperts())
     with torch.no_grad():
         want = reference(x, indices)
         got = ex(x, indices)
@@ -81,7 +84,7 @@ def test_whole_layer_reads_the_next_layer_ahead(model_dir):
     x = torch.randn(200, 128)
     indices = torch.randint(0, 16, (200, 4))
     with torch.no_grad():
-        WholeLayerExecutor(pool, 0, plan)(x, indices)
+        WholeLayerExecutor(pool, 0, plan, TorchExperts())(x, indices)
         staged = plan.take(1)  # layer 1 was requested while layer 0 computed
     assert sorted(en.key for en in staged) == [(1, e) for e in range(16)]
     pool.wait(staged)
@@ -96,8 +99,7 @@ def test_fused_decode_experts_are_bit_identical_to_the_torch_path(model_dir, dty
     is its path for a pool with one requesting thread (`sole`: loaded experts unpinned, the
     rest requested), which leaves nothing pinned."""
     pool = make_pool(model_dir, 64)
-    fused = decode_experts("fused")
-    assert fused is not torch_experts
+    fused, reference = native_ops(pool), TorchExperts()
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for layer in range(3):
@@ -105,7 +107,7 @@ def test_fused_decode_experts_are_bit_identical_to_the_torch_path(model_dir, dty
                 x = torch.randn(1, 128, generator=gen).to(dtype)
                 indices = torch.randperm(16, generator=gen)[:4][None]
                 sole = ExactExecutor(pool, layer, fused, sole=True)(x, indices)  # reads some
-                want = ExactExecutor(pool, layer)(x, indices)
+                want = ExactExecutor(pool, layer, reference)(x, indices)
                 got = ExactExecutor(pool, layer, fused)(x, indices)
                 assert got.dtype == want.dtype == dtype
                 assert torch.equal(got, want) and torch.equal(sole, want)
@@ -118,7 +120,8 @@ def test_only_a_pool_without_a_heads_thread_is_read_unpinned():
     """The engine's exact executors use loaded experts unpinned only where the decoding
     thread is the pool's one requester: not with the prerouter's heads on their thread."""
     from edge0 import builtin
-    from edge0.engine.core import EngineOptions, load_engine
+    from edge0.engine.load import load_engine
+    from edge0.engine.options import EngineOptions
 
     for opts, sole in [
         (EngineOptions(no_prerouter=True), True),

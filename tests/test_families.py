@@ -17,7 +17,8 @@ import transformers
 from safetensors import safe_open
 
 from edge0.convert import convert
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.sampling import SamplingParams
 from edge0.modeldir.loader import load_edge0_model, load_hf_model
 from edge0.models import FAMILIES, load_config

@@ -17,10 +17,12 @@ import torch
 import transformers
 
 from edge0 import builtin
-from edge0.cli.inspect import format_report, inspect_dir, kind_of
+from edge0.cli.inspect import format_report, inspect_dir
+from edge0.cli.inspect_headers import kind_of
 from edge0.cli.main import add_inspect_parser
 from edge0.convert import convert
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.formats.extents import ExtentLayout
 from edge0.util import memory
 from helpers import make_hf_model

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from edge0 import modeldir
 from edge0.convert import convert
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.sampling import SamplingParams
 from edge0.models import lora
 from edge0.models.base import Forward

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from edge0.convert import convert
 from edge0.convert.mlx import candidates, import_mlx
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.sampling import SamplingParams
 from edge0.formats.mlx import unpack
 from edge0.modeldir import Manifest

@@ -16,19 +16,31 @@ import torch.nn.functional as F
 from edge0 import builtin, native
 from edge0.convert import convert
 from edge0.convert.synth import Shape, synth
-from edge0.engine import executors, native_layer
-from edge0.engine.core import EngineOptions, load_engine
-from edge0.engine.executors import (
-    FusedExperts,
-    decode_experts,
-    row_experts,
-    swiglu_int4,
-    torch_experts,
-)
+from edge0.engine import backends
+from edge0.engine.backends import native_layers
+from edge0.engine.backends.base import ExpertOps
+from edge0.engine.backends.native import NativeBackend, NativeExperts
+from edge0.engine.backends.torch import TorchBackend, TorchExperts, swiglu_int4
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.formats import int4_layout, quant
 from edge0.formats.extents import ExpertTensors, ExtentLayout
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
+
+
+def native_ops(int8: bool = False, arrangement=None) -> NativeExperts:
+    """The native backend's expert ops for codes in `arrangement` (the host's by default)."""
+    backend = NativeBackend(EngineOptions(int4_activations="int8" if int8 else "bf16"))
+    return backend.expert_ops(arrangement or int4_layout.host_layout())
+
+
+def each_token(ops: ExpertOps, x, indices, tensors) -> torch.Tensor:
+    """Every token of x [T, D] through its experts `indices` [T, K] with ops.token -> [T, K, D]."""
+    rows = indices.tolist()
+    return torch.stack(
+        [ops.token(x[t : t + 1], [tensors[e] for e in r]) for t, r in enumerate(rows)]
+    )
 
 
 def greedy_logits(
@@ -36,15 +48,15 @@ def greedy_logits(
 ) -> torch.Tensor:
     opts = EngineOptions(
         io_mode="buffered",
-        expert_kernel=kernel,
+        backend=kernel,
         no_prerouter=no_prerouter,
         prerouter_always=not no_prerouter,
         dtype=dtype,
     )
     engine = load_engine(builtin.model_dir(), opts)
     try:
-        if kernel == "fused":  # the op computes every layer, LoRA'd projections included
-            assert sorted(engine._layers) == list(range(len(engine.model.backbone.layers)))
+        if kernel == "native":  # the op computes every layer, LoRA'd projections included
+            assert sorted(engine.layers) == list(range(len(engine.model.backbone.layers)))
         with engine.new_request() as req:
             logits = [engine.prefill(req, engine.tokenizer.encode("def read_config(path):"))]
             for _ in range(steps):
@@ -58,14 +70,14 @@ def greedy_logits(
 def test_engine_decodes_bit_identically_with_either_kernel(no_prerouter):
     """The built-in model: float attention projections under LoRA, experts int4."""
     torch.manual_seed(0)
-    assert torch.equal(greedy_logits("fused", no_prerouter), greedy_logits("torch", no_prerouter))
+    assert torch.equal(greedy_logits("native", no_prerouter), greedy_logits("torch", no_prerouter))
 
 
 def test_engine_decodes_bit_identically_with_either_kernel_in_bf16():
     """The same in bf16: the fp32 adapters' delta rounded to bf16, then scaled and added in
     it, as LoraLinear does."""
     torch.manual_seed(0)
-    fused = greedy_logits("fused", True, dtype=torch.bfloat16)
+    fused = greedy_logits("native", True, dtype=torch.bfloat16)
     assert torch.equal(fused, greedy_logits("torch", True, dtype=torch.bfloat16))
 
 
@@ -88,7 +100,7 @@ def test_the_int4_kernel_computes_torchs_bit_for_bit(dtype, tiny_zero):
     64 and a tail of 32), one group, odd group counts, fp32 and bf16 rows. 1, 3 and 8 rows
     take the block kernels; 9, 13 and 45 (a job of 32 and one of 13) AVX-512's tiled one."""
     gen = torch.Generator().manual_seed(0)
-    op = native.int4_gemv()
+    op = native.op("int4_gemv")
     layout, isa = native.kernel_args()
     for n, k in [(96, 64), (256, 512), (160, 192), (1024, 1024)]:
         _, packed, pairs = int4_weights(n, k, gen, tiny_zero=tiny_zero)
@@ -104,7 +116,7 @@ def test_the_int4_kernel_reads_every_arrangement():
     """The same codes packed in each known arrangement (torch picks one per CPU capability)
     give the same result on each path this CPU runs: the paths do not assume their own."""
     gen = torch.Generator().manual_seed(1)
-    op = native.int4_gemv()
+    op = native.op("int4_gemv")
     _, isa = native.kernel_args()
     q, packed, pairs = int4_weights(96, 128, gen)
     x = torch.randn(2, 128, generator=gen)
@@ -125,8 +137,8 @@ def test_the_int4_kernel_reads_every_arrangement():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_experts_are_the_reference_bit_for_bit(dtype):
-    """A token's 8 experts in one call of the native op against torch_experts (one expert
-    at a time in PyTorch ops), for each of three tokens."""
+    """A token's 8 experts in one call of the native op against the torch backend's (one
+    expert at a time in PyTorch ops), for each of three tokens."""
     gen = torch.Generator().manual_seed(2)
     d, width = 256, 128
     tensors = {}
@@ -136,9 +148,8 @@ def test_the_fused_experts_are_the_reference_bit_for_bit(dtype):
         tensors[e] = ExpertTensors(w13[1], w13[2], w2[1], w2[2])
     x = torch.randn(3, d, generator=gen).to(dtype)
     indices = torch.stack([torch.randperm(16, generator=gen)[:8] for _ in range(3)])
-    fused = decode_experts("fused")
-    assert isinstance(fused, FusedExperts)
-    assert torch.equal(fused(x, indices, tensors), torch_experts(x, indices, tensors))
+    want = each_token(TorchExperts(), x, indices, tensors)
+    assert torch.equal(each_token(native_ops(), x, indices, tensors), want)
 
 
 def random_experts(n_exp: int, d: int, width: int, gen: torch.Generator):
@@ -155,12 +166,12 @@ def random_experts(n_exp: int, d: int, width: int, gen: torch.Generator):
 def test_the_fused_experts_are_the_same_bits_however_the_threads_split_them(threads):
     """Where the threads can share a token's K experts evenly, each takes whole experts in
     one region; else every block is shared out, gate/up then down. K of 8, 6 and 3 on 1, 2
-    and 3 threads give both, and each is the reference bit for bit: torch_experts on the
-    exact path (fp32 and bf16), swiglu_int8 on the int8 one."""
+    and 3 threads give both, and each is the reference bit for bit: the torch backend's on
+    the exact path (fp32 and bf16), swiglu_int8 on the int8 one."""
     gen = torch.Generator().manual_seed(12)
     d, width, n_exp = 256, 128, 10
     tensors, codes = random_experts(n_exp, d, width, gen)
-    exact, int8 = decode_experts("fused"), decode_experts("fused", int8=True)
+    exact, int8, reference = native_ops(), native_ops(int8=True), TorchExperts()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -169,9 +180,10 @@ def test_the_fused_experts_are_the_same_bits_however_the_threads_split_them(thre
             x = torch.randn(1, d, generator=gen) * 2
             for dtype in (torch.float32, torch.bfloat16):
                 xd = x.to(dtype)
-                assert torch.equal(exact(xd, indices, tensors), torch_experts(xd, indices, tensors))
+                want = each_token(reference, xd, indices, tensors)
+                assert torch.equal(each_token(exact, xd, indices, tensors), want)
             want = torch.cat([swiglu_int8(x, codes[e], tensors[e]) for e in indices[0].tolist()])
-            assert torch.equal(int8(x, indices, tensors), want[None])
+            assert torch.equal(each_token(int8, x, indices, tensors), want[None])
     finally:
         torch.set_num_threads(before)
 
@@ -179,7 +191,7 @@ def test_the_fused_experts_are_the_same_bits_however_the_threads_split_them(thre
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [128, 192])
 def test_the_prefill_experts_are_the_reference_bit_for_bit(dtype, width):
-    """Prefill's experts in one native call (RowExperts), each on its tokens, against
+    """Prefill's experts in one native call (NativeExperts.rows), each on its tokens, against
     swiglu_int4 one expert at a time: 40 tokens routed to 4 of 12 experts each (one expert
     gets none), expert widths of 2 and 3 quantization groups."""
     gen = torch.Generator().manual_seed(5)
@@ -193,7 +205,7 @@ def test_the_prefill_experts_are_the_reference_bit_for_bit(dtype, width):
     indices = torch.stack([torch.randperm(n_exp - 1, generator=gen)[:4] for _ in range(40)])
     groups = [(torch.nonzero((indices == e).any(-1)).flatten(), tensors[e]) for e in range(n_exp)]
     assert groups[-1][0].numel() == 0
-    rows = row_experts(decode_experts("fused"))
+    rows = native_ops().rows
     got = rows(x, groups)
     want = torch.cat([swiglu_int4(x[tok], t) for tok, t in groups])
     assert got.dtype == torch.float32 and torch.equal(got, want)
@@ -224,7 +236,7 @@ def test_the_int8_kernels_are_their_reference_bit_for_bit(dtype):
     group 1000x larger than the rest, a group of zeros. The paths' bits are the same, so the
     int8 decode computes the same on every CPU."""
     gen = torch.Generator().manual_seed(7)
-    op = native.int4_gemv()
+    op = native.op("int4_gemv")
     paths = int8_paths()
     assert len(paths) >= 1 and native.kernel_args(True)[1] in paths
     for n, k in [(96, 64), (256, 1024), (160, 192)]:
@@ -257,7 +269,7 @@ def test_the_int8_order_is_its_reference_and_only_the_int8_paths_read_it():
     them (every arrangement, blocks of 64 with a tail of 32 too), the order's bytes differ
     from their own arrangement's, and an exact path refuses them with an error that says so."""
     gen = torch.Generator().manual_seed(12)
-    reorder = native.int8_order_()
+    reorder = native.op("int8_order_")
     for layout in int4_layout.LAYOUTS.values():
         for n, k in [(96, 64), (256, 1024), (160, 192)]:
             q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
@@ -288,7 +300,7 @@ def test_the_int8_order_is_its_reference_and_only_the_int8_paths_read_it():
     ordered = host.in_int8_order()
     x = torch.randn(1, 128, generator=gen)
     with pytest.raises(RuntimeError, match="int8 order are read by the int8 kernels only"):
-        native.int4_gemv()(
+        native.op("int4_gemv")(
             x, ordered.pack(q), pairs, native.layout_code(ordered), native.kernel_isa()
         )
 
@@ -330,12 +342,12 @@ def test_the_engines_pool_fixes_pairs_natively_with_the_same_weights(tmp_path):
     layout.finalize(a)
     layout.finalize(b, kernel_pairs=native.to_kernel_pairs)
     assert torch.equal(a, b) and not torch.equal(a, buf)
-    engine = load_engine(builtin.model_dir(), EngineOptions(expert_kernel="fused"))
+    engine = load_engine(builtin.model_dir(), EngineOptions(backend="native"))
     try:
         assert engine.pool._kernel_pairs is native.to_kernel_pairs
     finally:
         engine.close()
-    engine = load_engine(builtin.model_dir(), EngineOptions(expert_kernel="torch"))
+    engine = load_engine(builtin.model_dir(), EngineOptions(backend="torch"))
     try:
         assert engine.pool._kernel_pairs is quant.to_kernel_pairs
     finally:
@@ -367,15 +379,15 @@ def swiglu_int8(x: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor], t: Ex
 
 
 def test_the_int8_experts_are_their_reference_bit_for_bit():
-    """A decode token's 8 experts (FusedExperts) and prefill's experts on their tokens
-    (RowExperts) through the int8 kernels, against swiglu_int8 one expert at a time."""
+    """A decode token's 8 experts (NativeExperts.token) and prefill's experts on their
+    tokens (rows) through the int8 kernels, against swiglu_int8 one expert at a time."""
     gen = torch.Generator().manual_seed(8)
     d, width, n_exp = 256, 192, 12
     tensors, codes = random_experts(n_exp, d, width, gen)
     x = torch.randn(3, d, generator=gen) * 2
     indices = torch.stack([torch.randperm(n_exp, generator=gen)[:8] for _ in range(3)])
-    fused = decode_experts("fused", int8=True)
-    assert isinstance(fused, FusedExperts) and fused.isa >= native.INT8
+    fused = native_ops(int8=True)
+    assert fused.isa >= native.INT8
     want = torch.stack(
         [
             torch.cat([swiglu_int8(x[t : t + 1], codes[e], tensors[e]) for e in row])
@@ -384,19 +396,19 @@ def test_the_int8_experts_are_their_reference_bit_for_bit():
     )
     groups = [(torch.nonzero((indices == e).any(-1)).flatten(), e) for e in range(n_exp)]
     rows_want = torch.cat([swiglu_int8(x[tok], codes[e], tensors[e]) for tok, e in groups])
-    assert torch.equal(fused(x, indices, tensors), want)
-    got = row_experts(fused)(x, [(tok, tensors[e]) for tok, e in groups])
+    assert torch.equal(each_token(fused, x, indices, tensors), want)
+    got = fused.rows(x, [(tok, tensors[e]) for tok, e in groups])
     assert torch.equal(got, rows_want)
     # the same experts in the int8 order, as the pool holds them for the int8 AVX2 kernel
     ordered = int4_layout.host_layout().in_int8_order()
-    fused = decode_experts("fused", int8=True, int4=ordered)
+    fused = native_ops(int8=True, arrangement=ordered)
     assert fused.layout == native.layout_code(ordered) and fused.layout[-1] == 1
     tensors = {
         e: ExpertTensors(ordered.pack(codes[e][0]), t.p13, ordered.pack(codes[e][1]), t.p2)
         for e, t in tensors.items()
     }
-    assert torch.equal(fused(x, indices, tensors), want)
-    got = row_experts(fused)(x, [(tok, tensors[e]) for tok, e in groups])
+    assert torch.equal(each_token(fused, x, indices, tensors), want)
+    got = fused.rows(x, [(tok, tensors[e]) for tok, e in groups])
     assert torch.equal(got, rows_want)
 
 
@@ -447,7 +459,7 @@ def test_the_pool_holds_int8_order_where_it_pays_and_decodes_the_same(monkeypatc
         )
         try:
             assert engine.pool.layout.int4.int8_order is ordered
-            assert engine.decode_experts.layout == native.layout_code(engine.pool.layout.int4)
+            assert engine.experts.layout == native.layout_code(engine.pool.layout.int4)
             with engine.new_request() as req:
                 logits = [engine.prefill(req, engine.tokenizer.encode("def read_config(path):"))]
                 for _ in range(8):
@@ -475,7 +487,7 @@ def test_the_pool_holds_int8_order_where_it_pays_and_decodes_the_same(monkeypatc
 def test_int8_activations_are_checked_and_the_torch_path_is_bf16():
     with pytest.raises(ValueError, match="int4_activations must be one of int8, bf16"):
         load_engine(builtin.model_dir(), EngineOptions(int4_activations="int4"))
-    engine = load_engine(builtin.model_dir(), EngineOptions(expert_kernel="torch"))
+    engine = load_engine(builtin.model_dir(), EngineOptions(backend="torch"))
     try:
         assert engine.options.int4_activations == "bf16"
     finally:
@@ -511,11 +523,11 @@ def test_a_batched_steps_attention_is_the_module_paths_bit_for_bit():
     engine = load_engine(builtin.model_dir(), opts)
     try:
         assert engine.attend_rows is not None
-        layers, engine._layers = engine._layers, {}
+        layers, engine.layers = engine.layers, {}
         native_rows = rows_logits(engine)
         op, engine.attend_rows = engine.attend_rows, None
         reference = rows_logits(engine)
-        engine.attend_rows, engine._layers = op, layers
+        engine.attend_rows, engine.layers = op, layers
         assert all(torch.equal(a, b) for a, b in zip(native_rows, reference, strict=True))
     finally:
         engine.close()
@@ -550,7 +562,7 @@ def test_a_batched_steps_layers_are_the_module_paths_bit_for_bit(
     )
     engine = load_engine(path, opts)
     try:
-        layers = engine._layers
+        layers = engine.layers
         assert sorted(layers) == list(range(len(engine.model.backbone.layers)))
         calls = []
         for layer in layers.values():
@@ -563,9 +575,9 @@ def test_a_batched_steps_layers_are_the_module_paths_bit_for_bit(
             layer.op = counted
         native_rows = rows_logits(engine)
         assert calls == [3] * len(layers) * 6
-        engine._layers = {}
+        engine.layers = {}
         reference = rows_logits(engine)
-        engine._layers = layers
+        engine.layers = layers
         assert all(torch.equal(a, b) for a, b in zip(native_rows, reference, strict=True))
     finally:
         engine.close()
@@ -574,12 +586,12 @@ def test_a_batched_steps_layers_are_the_module_paths_bit_for_bit(
 def test_the_engine_prefills_bit_identically_with_the_native_experts(monkeypatch):
     """The built-in model's prefill, a short prompt, a long one (some experts take the dense
     path: from 96 tokens here on both paths) and seven prompts in one batch, with and without
-    RowExperts."""
-    monkeypatch.setattr(executors, "ROWS_DENSE_MIN_TOKENS", executors.DENSE_MIN_TOKENS)
+    the native backend's rows."""
     opts = EngineOptions(io_mode="buffered", max_active=8, prerouter_always=True)
     engine = load_engine(builtin.model_dir(), opts)
     try:
-        assert engine.rows_experts is not None
+        assert isinstance(engine.experts, NativeExperts)
+        engine.experts.dense_from = TorchExperts.dense_from
         tok = engine.tokenizer
         short = tok.encode("def read_config(path):")
         long = tok.encode("import os\nimport sys\n" * 40)
@@ -597,13 +609,11 @@ def test_the_engine_prefills_bit_identically_with_the_native_experts(monkeypatch
             return out
 
         dense = []
-        swiglu_dense = executors.swiglu_dense
-        monkeypatch.setattr(
-            executors, "swiglu_dense", lambda *a: dense.append(1) or swiglu_dense(*a)
-        )
+        on_weights = ExpertOps.dense
+        monkeypatch.setattr(ExpertOps, "dense", lambda *a: dense.append(1) or on_weights(*a))
         native_rows = logits()
         assert dense  # the long prompt's busiest experts took the dense path
-        engine.rows_experts = None
+        engine.experts = TorchExperts()
         reference = logits()
         assert all(torch.equal(a, b) for a, b in zip(native_rows, reference, strict=True))
     finally:
@@ -618,15 +628,15 @@ def test_the_native_norm_is_the_modules_bit_for_bit(n, dtype):
     sum's second level; large values, where the order of additions shows in the bits."""
     from edge0.models.layers import RMSNorm
 
-    lanes = native_layer.sum_lanes()
-    assert lanes in native_layer.SUM_LANES
+    lanes = native_layers.sum_lanes()
+    assert lanes in native_layers.SUM_LANES
     gen = torch.Generator().manual_seed(n)
     norm = RMSNorm(n, 1e-6).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(n, generator=gen))
         for scale in (1.0, 1e3):
             x = (torch.randn(3, 2, n, generator=gen) * scale).to(dtype)
-            got = native.rms_norm()(x, norm.weight, norm.eps, lanes)
+            got = native.op("rms_norm")(x, norm.weight, norm.eps, lanes)
             assert got.dtype == dtype and torch.equal(got, norm(x))
 
 
@@ -641,7 +651,7 @@ def test_the_native_combine_is_the_blocks_bit_for_bit(k, d, dtype):
     weights = torch.rand(1, k, generator=gen)
     x = torch.randn(1, 1, d, generator=gen).to(dtype)
     shared = torch.randn(1, d, generator=gen).to(dtype)
-    op, lanes = native.moe_combine(), native_layer.sum_lanes()
+    op, lanes = native.op("moe_combine"), native_layers.sum_lanes()
     for s in (None, shared):
         y = (routed * weights[..., None].to(dtype)).sum(dim=1)
         ref = x + (y if s is None else y + s).view(1, 1, d)
@@ -654,13 +664,15 @@ def test_the_norms_sum_width_is_checked_not_assumed():
     comparison tells them apart (a width that is not the reduction's gives other bits)."""
     from edge0.models.layers import RMSNorm
 
-    lanes = native_layer.sum_lanes()
+    lanes = native_layers.sum_lanes()
     norm = RMSNorm(1024, 1e-6)
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(3)) * 1e3
     with torch.no_grad():
         ref = norm(x)
-    for other in native_layer.SUM_LANES:
-        assert torch.equal(native.rms_norm()(x, norm.weight, 1e-6, other), ref) == (other == lanes)
+    for other in native_layers.SUM_LANES:
+        assert torch.equal(native.op("rms_norm")(x, norm.weight, 1e-6, other), ref) == (
+            other == lanes
+        )
 
 
 @pytest.fixture(scope="module")
@@ -678,7 +690,7 @@ def test_the_native_layer_serves_int4_layers_bit_identically(int4_model, dtype):
     """Every layer's norms and attention (int4 q/k/v/o, q/k norm per head) run through the
     native op at decode, and the logits are those of the pure-PyTorch path, bit for bit, in
     either compute dtype."""
-    fused, served = decode_logits(int4_model, "fused", dtype)
+    fused, served = decode_logits(int4_model, "native", dtype)
     reference, none = decode_logits(int4_model, "torch", dtype)
     assert served == [0, 1, 2] and none == []
     assert torch.equal(fused, reference)
@@ -687,14 +699,14 @@ def test_the_native_layer_serves_int4_layers_bit_identically(int4_model, dtype):
 def decode_logits(path, kernel: str, dtype=torch.float32) -> tuple[torch.Tensor, list[int]]:
     """Greedy prefill and 10 decode steps' logits with `kernel`, and the layers the native
     op served."""
-    opts = EngineOptions(io_mode="buffered", expert_kernel=kernel, dtype=dtype)
+    opts = EngineOptions(io_mode="buffered", backend=kernel, dtype=dtype)
     engine = load_engine(path, opts)
     try:
         with engine.new_request() as req:
             logits = [engine.prefill(req, engine.tokenizer.encode("def f(x):"))]
             for _ in range(10):
                 logits.append(engine.step(req, int(logits[-1].argmax())))
-        return torch.stack(logits), sorted(engine._layers)
+        return torch.stack(logits), sorted(engine.layers)
     finally:
         engine.close()
 
@@ -713,7 +725,7 @@ def test_the_native_layer_takes_only_the_layers_it_computes_exactly(tmp_path, fa
     """No q/k norm (Mixtral) is served; a sliding window, a q/k norm over the whole
     projection (OLMoE), and Qwen3.5's output gate, partial rotary and zero-centred norms
     (or a linear-attention mixer) keep the module's own forward."""
-    from edge0.engine.native_layer import servable
+    from edge0.engine.backends.native_layers import servable
     from edge0.modeldir.loader import load_edge0_model
     from test_families import make_checkpoint
 
@@ -724,7 +736,7 @@ def test_the_native_layer_takes_only_the_layers_it_computes_exactly(tmp_path, fa
         model.backbone.layers
     )
     if served:  # and computes it bit-identically (no q/k norm here)
-        fused, layers = decode_logits(tmp_path / "e0", "fused")
+        fused, layers = decode_logits(tmp_path / "e0", "native")
         assert layers == list(range(len(model.backbone.layers)))
         assert torch.equal(fused, decode_logits(tmp_path / "e0", "torch")[0])
 
@@ -733,15 +745,16 @@ NO_COMPILER = """
 import logging, sys
 from pathlib import Path
 from edge0 import native
-from edge0.engine.executors import decode_experts, torch_experts
+from edge0.engine import backends
+from edge0.engine.options import EngineOptions
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 cache = Path(sys.argv[1])
 try:
-    decode_experts("fused", cache)
-    sys.exit("fused did not refuse")
+    backends.choose(EngineOptions(backend="native", cache_dir=cache))
+    sys.exit("native did not refuse")
 except native.NativeUnavailable as e:
     print("REFUSED", e)
-assert decode_experts("auto", cache) is torch_experts
+assert backends.choose(EngineOptions(cache_dir=cache)).name == "torch"
 assert not native.library_path(cache).exists()  # nothing half-built left to load
 print("FELL BACK")
 """
@@ -766,11 +779,11 @@ def test_a_cache_folder_that_cannot_be_made_is_refused_not_raised(tmp_path):
         native.build(blocker / "cache")
 
 
-def test_kernel_choice_is_checked():
-    assert decode_experts("torch") is torch_experts
-    assert isinstance(decode_experts("auto"), FusedExperts)  # this machine has a compiler
-    with pytest.raises(ValueError, match="expert_kernel must be one of auto, fused, torch"):
-        decode_experts("fast")
+def test_backend_choice_is_checked():
+    assert isinstance(backends.choose(EngineOptions(backend="torch")), TorchBackend)
+    assert isinstance(backends.choose(EngineOptions()), NativeBackend)  # it has a compiler
+    with pytest.raises(ValueError, match="backend must be one of auto, torch, native"):
+        backends.choose(EngineOptions(backend="fast"))
 
 
 @pytest.mark.slow
@@ -810,7 +823,7 @@ def test_the_cli_names_the_reason_when_fused_cannot_be_built(tmp_path):
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), XDG_CACHE_HOME=str(tmp_path))
     out = subprocess.run(
         [sys.executable, "-m", "edge0", "generate", "--prompt", "def", "--max-tokens", "2"]
-        + ["--expert-kernel", "fused"],
+        + ["--backend", "native"],
         env=env,
         capture_output=True,
         text=True,

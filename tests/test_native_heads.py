@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from edge0 import builtin, native
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.models.routing import softmax_topk, topk_onehot
 from edge0.prerouter.head import NativeHeads, Prerouter, StackedHeads, Wiring
 from edge0.prerouter.runtime import HeadRows
@@ -53,7 +54,7 @@ def test_the_native_head_is_the_torch_heads_to_rounding_on_every_path(
     pre = random_heads(hidden, experts, width)
     owners = pre.wiring.owners
     ref = StackedHeads(pre, owners)
-    heads = NativeHeads(pre, owners, native.prerouter_head(), native.BEST_ISA)
+    heads = NativeHeads(pre, owners, native.op("prerouter_head"), native.BEST_ISA)
     gen = torch.Generator().manual_seed(1)
     for i, o in enumerate(owners):
         for first in (False, True):
@@ -80,7 +81,7 @@ def test_the_native_head_stages_what_the_consumers_routing_picks():
     does not change the logits (a set, as the one-hot features are)."""
     experts = 32
     pre = random_heads(128, experts, 64, seed=2)
-    heads = NativeHeads(pre, pre.wiring.owners, native.prerouter_head(), native.BEST_ISA)
+    heads = NativeHeads(pre, pre.wiring.owners, native.op("prerouter_head"), native.BEST_ISA)
     gen = torch.Generator().manual_seed(3)
     rows = head_rows(128, experts, 4, 6, gen)
     for w in (6, 9, 12):
@@ -96,7 +97,7 @@ def test_the_native_head_refuses_what_it_cannot_read():
     """An expert index past E, weights not in fp16, or a staged set wider than E: an error
     naming it, not a read out of bounds."""
     pre = random_heads(64, 8, 32)
-    heads = NativeHeads(pre, pre.wiring.owners, native.prerouter_head(), native.BEST_ISA)
+    heads = NativeHeads(pre, pre.wiring.owners, native.op("prerouter_head"), native.BEST_ISA)
     h = torch.randn(1, 64)
     ok = torch.tensor([[0, 1]])
     with pytest.raises(RuntimeError, match="executed expert 8 of 8"):
@@ -110,16 +111,16 @@ def test_the_native_head_refuses_what_it_cannot_read():
         heads.op(h, ok, ok, w1.float(), *rest, 0, native.BEST_ISA)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "torch"])
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 def test_served_heads_take_the_bytes_the_plan_counts(kernel):
     """The built-in model: with the native ops its heads are held as the file's fp16 (half
     of fp32), with the torch path stacked at the compute dtype; the plan counts either."""
-    opts = EngineOptions(expert_kernel=kernel, prerouter_always=True)
+    opts = EngineOptions(backend=kernel, prerouter_always=True)
     engine = load_engine(builtin.model_dir(), opts)
     try:
         rt = engine.prerouter
-        held = rt.native if kernel == "fused" else rt.heads
-        assert (rt.native is None, rt.heads is None) == (kernel == "torch", kernel == "fused")
+        held = rt.native if kernel == "native" else rt.heads
+        assert (rt.native is None, rt.heads is None) == (kernel == "torch", kernel == "native")
         assert engine.plan.floor.heads == held.nbytes > 0
     finally:
         engine.close()

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from edge0 import models
 from edge0.convert import convert
-from edge0.engine.core import load_engine
+from edge0.engine.load import load_engine
 from edge0.engine.sampling import SamplingParams
 from edge0.models import qwen3_moe
 from helpers import make_hf_model

@@ -7,7 +7,8 @@ import torch
 import transformers
 
 from edge0.convert import convert
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.sampling import SamplingParams
 from edge0.modeldir.loader import load_edge0_model, load_hf_model
 from helpers import greedy_hf, greedy_ours, make_hf_model

@@ -17,7 +17,8 @@ import torch
 from edge0 import builtin
 from edge0.cli.chat import ChatSession
 from edge0.convert import convert
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.prefix_cache import MIN_PREFILL, PrefixCache
 from edge0.engine.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app

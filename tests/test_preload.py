@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from edge0 import builtin
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from helpers import mapping_field
 
 

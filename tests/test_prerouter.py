@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from edge0.convert import convert
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.sampling import SamplingParams
 from edge0.modeldir.loader import load_edge0_model
 from edge0.models.base import Forward

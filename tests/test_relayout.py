@@ -10,7 +10,8 @@ import torch
 
 from edge0 import modeldir, native
 from edge0.convert import convert
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.sampling import SamplingParams
 from edge0.formats.int4_layout import LAYOUTS, host_layout
 from edge0.store.expert_file import ExpertFile, read_table

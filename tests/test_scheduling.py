@@ -24,15 +24,12 @@ from edge0 import builtin
 from edge0.bench.serving import stream_chat
 from edge0.cli.args import with_flags
 from edge0.convert import convert
-from edge0.engine.core import (
-    REUSE_TOKENS,
-    ROWS_TOGETHER,
-    SHORT_PREFILL,
-    EngineOptions,
-    load_engine,
-)
+from edge0.engine.backends.native import ROWS_TOGETHER
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.plan import ModelSizes, make_plan
 from edge0.engine.sampling import SamplingParams
+from edge0.engine.scheduler import REUSE_TOKENS, SHORT_PREFILL, Turn
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.arrivals import Arrivals
 from edge0.server.worker import Done, Job, Token, Worker
@@ -196,48 +193,56 @@ def test_prompts_prefilled_together_decode_as_they_do_alone(whole_prompts):
             gen.advance()
         solo.append(gen.tokens)
     engine.prefix_cache.clear()
-    gens = [engine.generate(ids, 12, kinds[i]) for i, ids in enumerate(prompts)]
-    engine.start_together(gens)
-    assert all(g._prefilled is not None for g in gens)
-    assert in_turns(gens) == solo
+    # the scheduler's first turn prefills them in one forward; decode steps one at a time
+    sched = engine.scheduler(max_active=3, batch_decode=False)
+    seqs = [sched.add(ids, 12, kinds[i]) for i, ids in enumerate(prompts)]
+    sched.step()
+    assert all(s.fed == len(s.prompt) and s.tokens for s in seqs)  # each sampled its first
+    assert run_all(sched, seqs) == solo
     assert engine.pool.available() == engine.pool.num_slots  # every pin released
     # a restored prefix is kept when it saves more than the forward of its own that the rest
     # then needs; a few held tokens are cheaper to prefill again in the batch
     story = tok.encode(" ".join(texts) * 3)
     engine.generate(story, 2).drain()
-    engine.short_prefill_s.value, engine.prompt_token_s.value = 0.02, 0.001  # reuse from 20 held
-    again = [engine.generate(ids + tok.encode(" again"), 4) for ids in prompts[:2]]
-    assert all(0 < engine.prefix_cache.match(g.prompt) < 20 for g in again)
-    again.append(engine.generate(story + tok.encode(" again"), 4))
+    sched.short_prefill_s.value, sched.prompt_token_s.value = 0.02, 0.001  # reuse from 20 held
+    again = [sched.add(ids + tok.encode(" again"), 4, kinds[0]) for ids in prompts[:2]]
+    assert all(0 < engine.prefix_cache.match(s.prompt) < 20 for s in again)
+    sched.max_active = 4
+    again.append(sched.add(story + tok.encode(" again"), 4, kinds[0]))
     assert engine.prefix_cache.match(again[-1].prompt) > 20
-    again.append(engine.generate(tok.encode("A new story"), 4))
-    engine.start_together(again)
-    assert [g._prefilled is not None for g in again] == [True, True, False, True]
-    assert [g.drain().stats.prefix_tokens > 0 for g in again] == [False, False, True, False]
+    again.append(sched.add(tok.encode("A new story"), 4, kinds[0]))
+    sched.step()
+    assert [s.fed == len(s.prompt) for s in again] == [True, True, False, True]
+    run_all(sched, again)
+    assert [s.stats.prefix_tokens > 0 for s in again] == [False, False, True, False]
     assert engine.pool.available() == engine.pool.num_slots
 
 
+def run_all(sched, seqs) -> list[list[int]]:
+    """Turns of the scheduler until every one of `seqs` is done; their tokens."""
+    while not all(s.done for s in seqs):
+        sched.step()
+    return [s.tokens for s in seqs]
+
+
 def test_reuse_or_batch_follows_the_measured_costs(whole_prompts):
-    engine = whole_prompts
-    engine.short_prefill_s.value = engine.prompt_token_s.value = None
-    assert not engine.reuse_beats_batch(REUSE_TOKENS - 1, 200)  # unmeasured: a fixed floor
-    assert engine.reuse_beats_batch(REUSE_TOKENS, 200)
-    engine.short_prefill_s.add(0.03)
-    engine.prompt_token_s.add(0.002)
-    assert not engine.reuse_beats_batch(14, 16) and engine.reuse_beats_batch(16, 200)
-    engine.prompt_token_s.add(0.001)  # a moving average: 0.0018 s a token now
-    assert not engine.reuse_beats_batch(16, 200) and engine.reuse_beats_batch(17, 200)
+    sched = whole_prompts.scheduler()
+    assert not sched.reuse_beats_batch(REUSE_TOKENS - 1, 200)  # unmeasured: a fixed floor
+    assert sched.reuse_beats_batch(REUSE_TOKENS, 200)
+    sched.short_prefill_s.add(0.03)
+    sched.prompt_token_s.add(0.002)
+    assert not sched.reuse_beats_batch(14, 16) and sched.reuse_beats_batch(16, 200)
+    sched.prompt_token_s.add(0.001)  # a moving average: 0.0018 s a token now
+    assert not sched.reuse_beats_batch(16, 200) and sched.reuse_beats_batch(17, 200)
 
 
 def test_the_own_forward_is_priced_by_short_prefills(whole_prompts):
-    engine = whole_prompts
-    engine.short_prefill_s.value = None
-    with engine.new_request() as req:
-        engine.prefill(req, [5 + i % 50 for i in range(SHORT_PREFILL + 1)])
-    assert engine.short_prefill_s.value is None  # a long prompt's forward is not the price
-    with engine.new_request() as req:
-        engine.prefill(req, [5, 6])
-    assert engine.short_prefill_s.value > 0
+    sched = whole_prompts.scheduler()
+    greedy = SamplingParams(temperature=0)
+    run_all(sched, [sched.add([5 + i % 50 for i in range(SHORT_PREFILL + 1)], 1, greedy)])
+    assert sched.short_prefill_s.value is None  # a long prompt's forward is not the price
+    run_all(sched, [sched.add([5, 6], 1, greedy)])
+    assert sched.short_prefill_s.value > 0
 
 
 # -- decode steps of several requests in one forward --------------------------------------------
@@ -393,7 +398,7 @@ def test_a_steps_experts_in_one_call_are_each_rows_own(row_engines, monkeypatch,
     rows on the pool's one requesting thread use their loaded experts unpinned, as one row
     alone does (ExpertPool.peek), and count the same hits."""
     engine = row_engines[name]
-    assert engine.rows_experts is not None and len(FOUR) >= ROWS_TOGETHER
+    assert len(FOUR) >= engine.experts.rows_from == ROWS_TOGETHER
     requests, stepping = [], []
     request, step_rows = engine.pool.request, engine.step_rows
 
@@ -416,7 +421,7 @@ def test_a_steps_experts_in_one_call_are_each_rows_own(row_engines, monkeypatch,
     hits, together_hits = engine.pool.stats.hits, engine.pool.stats.hits - hits
     # without a prerouter every expert is loaded (the pool holds them all): none requested
     assert bool(requests) == (name == "builtin")
-    monkeypatch.setattr(engine, "rows_experts", None)
+    monkeypatch.setattr(engine.experts, "rows_from", len(FOUR) + 1)  # each row its own
     each_row = four_in_one_forward(engine, 4)
     assert torch.equal(together[0], each_row[0]) and together[1] == each_row[1]
     assert together_hits == engine.pool.stats.hits - hits
@@ -467,24 +472,30 @@ def test_a_step_of_several_requests_stages_the_same_with_a_heads_thread(row_engi
 
 
 def test_generations_stepped_together_sample_their_solo_tokens(row_engines):
-    """Generations whose decode steps run together (Engine.step_together, as the generation
-    thread runs them) sample the tokens they sample alone, greedy and seeded, on the
-    built-in model with its prerouter (where no logit difference of the batch moves a token)."""
+    """Requests whose prompts prefill in one forward and whose decode steps run together (a
+    scheduler's turns, as the generation thread runs them) sample the tokens they sample
+    alone, greedy and seeded, on the built-in model with its prerouter (where no logit
+    difference of the batch moves a token)."""
     engine = row_engines["builtin"]
     tok = engine.tokenizer
     prompts = [tok.encode(t) for t in ("def fib(n):", "import os\n", "class Stack:\n    def")]
     kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 2
     solo = [engine.generate(p, 16, kinds[i]).drain().tokens for i, p in enumerate(prompts)]
-    gens = [engine.generate(p, 16, kinds[i]) for i, p in enumerate(prompts)]
-    batched = 0
-    while not all(g.done for g in gens):
-        batched += engine.step_together(gens)
-        for g in gens:
-            if not g.done:
-                g.advance()
-    assert [g.tokens for g in gens] == solo
-    assert batched >= 3 * 14  # every step but the first, while all three decode
-    assert all(g.stats.decode_tok_s > 0 for g in gens)
+    rows, step_rows = [], engine.step_rows
+
+    def counted(reqs, tokens):
+        rows.append(len(reqs))
+        return step_rows(reqs, tokens)
+
+    sched = engine.scheduler(max_active=3)
+    seqs = [sched.add(p, 16, kinds[i]) for i, p in enumerate(prompts)]
+    engine.step_rows = counted
+    try:
+        assert run_all(sched, seqs) == solo
+    finally:
+        del engine.step_rows
+    assert sum(n for n in rows if n == 3) >= 3 * 14  # every step, while all three decode
+    assert all(s.stats.decode_tok_s > 0 for s in seqs)
     assert engine.pool.available() == engine.pool.num_slots
 
 
@@ -560,6 +571,32 @@ def test_the_generation_thread_steps_active_requests_together(engine, batch_deco
     d = engine.stats().minus(before).decode
     assert d.rows == 3 * 9
     assert d.forwards < d.rows if batch_decode else d.forwards == d.rows
+
+
+class Fifo:
+    """A policy of its own: the request admitted first runs alone to its end, then the next."""
+
+    def next_turn(self, sched):
+        return Turn(solo=sched.active[0]) if sched.active else None
+
+
+@pytest.mark.parametrize("policy", [None, Fifo()], ids=["round-robin", "fifo"])
+def test_the_scheduling_policy_is_one_object(engine, policy):
+    """The generation thread with another policy object and nothing else changed: strict FIFO
+    serves three requests one after another (each one's events before the next one's first),
+    where the default round robin interleaves them; every request gets its solo tokens."""
+    prompts = [engine.tokenizer.encode(t) for t in ("def fib(n):", "import os\n", "class A:")]
+    greedy = SamplingParams(temperature=0)
+    solo = [engine.generate(p, 6, greedy).drain().tokens for p in prompts]
+    events: list[tuple[int, object]] = []
+    sink = sinks(events)
+    worker = Worker(engine, policy=policy)
+    run_jobs(worker, [Job(p, 6, greedy, sink(i)) for i, p in enumerate(prompts)], events)
+    names = [n for n, _ in events]
+    blocks = [n for i, n in enumerate(names) if i == 0 or names[i - 1] != n]
+    assert (blocks == [0, 1, 2]) == isinstance(policy, Fifo), names
+    got = [[e.token for n, e in events if n == i and isinstance(e, Token)] for i in range(3)]
+    assert got == solo
 
 
 def test_requests_admitted_mid_decode_prefill_next_and_join_the_next_step(
@@ -663,23 +700,25 @@ def test_the_generation_thread_waits_for_requests_still_arriving(whole_prompts, 
     engine.prefix_cache.clear()
     monkeypatch.setattr(worker_module, "ARRIVAL_WAIT_S", 60.0)
     calls: list[tuple[str, int]] = []
-    prefill, generate = engine.prefill_together, engine.generate
+    prefill = engine.prefill_together
 
     def counted(reqs, prompts):
         calls.append(("prefill", len(reqs)))
         return prefill(reqs, prompts)
 
-    def generations(*a, **kw):
-        calls.append(("admitted", 1))
-        return generate(*a, **kw)
-
     monkeypatch.setattr(engine, "prefill_together", counted)
-    monkeypatch.setattr(engine, "generate", generations)
     events: list[tuple[str, object]] = []
     sink = sinks(events)
     tok, greedy = engine.tokenizer, SamplingParams(temperature=0)
     arrivals = Arrivals()
     worker = Worker(engine, arrivals=arrivals)
+    add = worker.scheduler.add
+
+    def admitted(*a, **kw):
+        calls.append(("admitted", 1))
+        return add(*a, **kw)
+
+    monkeypatch.setattr(worker.scheduler, "add", admitted)
     coming = arrivals.enter()
     worker.start()
     try:

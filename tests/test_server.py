@@ -3,7 +3,7 @@
 A tiny random Qwen3-MoE generates gibberish, which is enough to pin the API contracts: greedy
 outputs, stop strings, lengths, logprobs, usage, concurrency, disconnects and errors. Tool
 calls and reasoning need text a random model will not write, so those go through a scripted
-engine: the real engine with generate() replaced by one that emits a given text token by token.
+engine: the real engine whose schedulers emit a given text token by token.
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ from hypothesis import strategies as st
 
 from edge0.cli.serve import check_bind
 from edge0.convert import convert
-from edge0.engine.core import EngineOptions, Generation, GenerationStats, load_engine
+from edge0.engine.generation import Generation
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
+from edge0.engine.sampling import SamplingParams
+from edge0.engine.scheduler import Sequence, State
+from edge0.engine.stats import GenerationStats
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.tools import ToolCallParser
 from edge0.text.prompt import ChatTemplate
@@ -82,57 +87,43 @@ class Wrapped:
 
 
 class SlowEngine(Wrapped):
-    """Sleeps after every token, so a long request keeps the generation thread busy.
-    `finished` lists each generation once it has ended (run out, stopped or cancelled)."""
+    """Sleeps after every turn of its schedulers, so a long request keeps the generation
+    thread busy. `finished` lists each sequence once it has ended (run out, stopped or
+    cancelled)."""
 
     def __init__(self, engine, delay_s: float):
         super().__init__(engine)
         self.delay_s = delay_s
-        self.finished: list[Generation] = []
+        self.finished: list[Sequence] = []
 
-    def generate(self, prompt, max_tokens, sampling=None):
-        gen = self._engine.generate(prompt, max_tokens, sampling)
-        return SlowGeneration(gen, self.delay_s, self.finished)
+    def scheduler(self, **kw):
+        return SlowScheduler(self._engine.scheduler(**kw), self.delay_s, self.finished)
 
 
-class SlowGeneration(Wrapped):
-    """Each forward (advance(), or a token when iterated) is followed by a wait."""
+class SlowScheduler(Wrapped):
+    """The real scheduler; each turn is followed by a wait."""
 
-    def __init__(self, gen: Generation, delay_s: float, finished: list[Generation]):
-        super().__init__(gen)
+    def __init__(self, scheduler, delay_s: float, finished: list[Sequence]):
+        super().__init__(scheduler)
         self.delay_s, self.finished = delay_s, finished
-        self._started = False
-        self._units = self._run()
 
-    def _run(self):
-        self._started = True
-        try:
-            while not self._engine.done:
-                item = self._engine.advance()
-                time.sleep(self.delay_s)
-                yield item
-        finally:
-            self._ended()
+    def step(self) -> list[Sequence]:
+        touched = self._engine.step()
+        time.sleep(self.delay_s)
+        self._note(touched)
+        return touched
 
-    def _ended(self) -> None:
-        self._engine.close()
-        self.finished.append(self._engine)
+    def cancel(self, seq: Sequence) -> None:
+        self._engine.cancel(seq)
+        self._note([seq])
 
-    def advance(self):
-        return next(self._units, None)
-
-    def __iter__(self):
-        return (item for item in self._units if item is not None)
-
-    def close(self) -> None:
-        if self._started:
-            self._units.close()
-        else:  # never ran a forward: a generator not started has no `finally` to run
-            self._ended()
+    def _note(self, seqs: list[Sequence]) -> None:
+        self.finished.extend(s for s in seqs if s.done and s not in self.finished)
 
 
 class ScriptedEngine(Wrapped):
-    """Emits `self.script` token by token (its logits put all mass on that token)."""
+    """Emits `self.script` token by token (its logits put all mass on that token), through
+    the server's scheduler and a Generation's alike."""
 
     script = ""
 
@@ -140,48 +131,56 @@ class ScriptedEngine(Wrapped):
         super().__init__(engine)
         self.prompts: list[list[int]] = []
 
+    def scheduler(self, max_active: int | None = None, **kw):
+        return ScriptedScheduler(self, max_active or self.plan.max_active)
+
     def generate(self, prompt, max_tokens, sampling=None):
-        self.prompts.append(list(prompt))
-        ids = self.tokenizer.encode(self.script, add_special_tokens=False)
-        return ScriptedGeneration(ids, prompt, max_tokens, self.config.vocab_size)
+        return Generation(self, prompt, max_tokens, sampling or SamplingParams())
 
 
-class ScriptedGeneration:
-    """The Generation protocol over a fixed token list."""
+class ScriptedScheduler:
+    """The scheduler protocol over a fixed token list: each turn, every sequence takes its
+    next token; the turn after its last, it ends ("length" where the script ran on)."""
 
-    def __init__(self, ids: list[int], prompt: list[int], max_tokens: int, vocab: int):
-        self.ids, self.prompt, self.max_tokens, self.vocab = ids, prompt, max_tokens, vocab
-        self.tokens: list[int] = []
-        self.finish_reason = "stop"
-        self.done = False
-        self.stats = GenerationStats(prompt_tokens=len(prompt))
-        self._it = self._run()
-
-    def _run(self):
-        for token in self.ids[: self.max_tokens]:
-            logits = torch.full((self.vocab,), -10.0)
-            logits[token] = 10.0
-            self.tokens.append(token)
-            self.stats.generated_tokens = len(self.tokens)
-            yield token, torch.log_softmax(logits, dim=-1)
-        if len(self.ids) > self.max_tokens:
-            self.finish_reason = "length"
-        self.done = True
-
-    pending_step = None  # no forward to run, so never part of a batched decode step
+    def __init__(self, fake: ScriptedEngine, max_active: int):
+        self.fake, self.max_active = fake, max_active
+        self.prefill_chunk = None
+        self.active: list[Sequence] = []
 
     @property
-    def started(self) -> bool:
-        return True  # nothing to prefill, so never part of a batched start
+    def room(self) -> bool:
+        return len(self.active) < self.max_active
 
-    def __iter__(self):
-        return self._it
+    def add(self, prompt, max_tokens, sampling) -> Sequence:
+        seq = Sequence(prompt, max_tokens, sampling, self.fake.max_context)
+        self.fake.prompts.append(list(prompt))
+        ids = self.fake.tokenizer.encode(self.fake.script, add_special_tokens=False)
+        seq.script, seq.more = iter(ids[:max_tokens]), len(ids) > max_tokens
+        seq.state = State.DECODING
+        self.active.append(seq)
+        return seq
 
-    def advance(self):
-        return next(self._it, None)
+    def step(self) -> list[Sequence]:
+        vocab, touched = self.fake.config.vocab_size, list(self.active)
+        for seq in touched:
+            token = next(seq.script, None)
+            if token is None:
+                self._end(seq, "length" if seq.more else "stop")
+                continue
+            logits = torch.full((vocab,), -10.0)
+            logits[token] = 10.0
+            seq.tokens.append(token)
+            seq.out.append((token, torch.log_softmax(logits, dim=-1)))
+        return touched
 
-    def close(self) -> None:
-        self.done = True
+    def cancel(self, seq: Sequence) -> None:
+        if not seq.done:
+            self._end(seq, "stop")
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason, seq.state = reason, State.DONE
+        seq.stats = GenerationStats(prompt_tokens=len(seq.prompt), generated_tokens=len(seq.tokens))
+        self.active.remove(seq)
 
 
 # -- fixtures ---------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.server.app import ServerOptions, create_app
 from test_server import Wrapped, live_server, make_chat_model
 
@@ -36,8 +37,13 @@ class Capped(Wrapped):
     """The real engine, but no generation runs past a few tokens (a fuzzed max_tokens may
     ask for hundreds; the server's handling of a "length" finish is the same)."""
 
-    def generate(self, prompt, max_tokens, sampling=None):
-        return self._engine.generate(prompt, min(max_tokens, 3), sampling)
+    def scheduler(self, **kw):
+        return CappedScheduler(self._engine.scheduler(**kw))
+
+
+class CappedScheduler(Wrapped):
+    def add(self, prompt, max_tokens, sampling):
+        return self._engine.add(prompt, min(max_tokens, 3), sampling)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ import openai
 import pytest
 import torch
 
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.sampling import SamplingParams
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.worker import Done, Job, Worker

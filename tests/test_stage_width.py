@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from edge0 import builtin, modeldir
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.plan import make_plan
 from edge0.models.routing import sigmoid_group, softmax_topk
 from test_scheduling import EXTENT, sizes

@@ -9,7 +9,8 @@ from edge0 import builtin
 from edge0.bench.ab import replay_tokens
 from edge0.cli import main as cli
 from edge0.convert.synth import Shape, synth
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 
 SHAPE = Shape(
     layers=4,

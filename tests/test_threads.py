@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import httpx
 import torch
 
-from edge0.engine.core import EngineOptions, load_engine
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.worker import Worker
 from edge0.util.threads import ComputeThread, single_threaded_pool
@@ -88,8 +89,7 @@ def test_the_server_generates_on_the_thread_that_loaded_its_engine(tmp_path):
 def test_a_generation_loop_that_fails_says_so_at_once(caplog, monkeypatch):
     """The loop runs on a ComputeThread, whose failure would otherwise wait in a future
     until stop(): it is logged when it happens, and stop() still returns."""
-    engine = SimpleNamespace(plan=SimpleNamespace(max_active=1), options=SimpleNamespace())
-    engine.options.batch_decode = True
+    engine = SimpleNamespace(scheduler=lambda **kw: SimpleNamespace(max_active=1))
     worker = Worker(engine)
 
     def broken():

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from edge0.engine.core import EngineOptions, load_engine
-from edge0.engine.options import INT4_ACTIVATIONS
+from edge0.engine.load import load_engine
+from edge0.engine.options import INT4_ACTIVATIONS, EngineOptions
 from edge0.util import malloc, memory
 
 
@@ -35,7 +35,7 @@ def run(spec: dict) -> dict:
         prerouter=Path(spec["prerouter"]) if arm == "prerouter" else None,
         prerouter_always=arm == "prerouter",  # the arm's point, whatever the pool holds
         no_lora=variant == "nolora",
-        expert_kernel="torch" if variant == "torch" else EngineOptions.expert_kernel,
+        backend="torch" if variant == "torch" else EngineOptions.backend,
         int4_activations=variant if variant in INT4_ACTIVATIONS else EngineOptions.int4_activations,
         stage_width=width,
         heads_thread={"thread": True, "inline": False}.get(variant),

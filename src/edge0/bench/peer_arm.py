@@ -88,7 +88,8 @@ def edge0_steps(spec: dict):
     """Load edge0 and yield once after prefill, then once per decode step."""
     import torch
 
-    from edge0.engine.core import EngineOptions, load_engine
+    from edge0.engine.load import load_engine
+    from edge0.engine.options import EngineOptions
     from edge0.engine.sampling import Sampler, SamplingParams
 
     torch.set_num_threads(spec["threads"])

@@ -198,7 +198,7 @@ def prefill_arm(model_dir: Path, cfg: ServingConfig, reps: int = 5) -> dict:
     """Seconds to prefill the short chats' prompts one by one, and together in one forward."""
     import torch
 
-    from edge0.engine.core import load_engine
+    from edge0.engine.load import load_engine
     from edge0.engine.options import EngineOptions
     from edge0.text.prompt import ChatTemplate
 
@@ -234,7 +234,7 @@ def decode_arm(model_dir: Path, cfg: ServingConfig, reps: int = 9) -> dict:
     """Milliseconds for B requests' decode steps one after another and in one forward."""
     import torch
 
-    from edge0.engine.core import load_engine
+    from edge0.engine.load import load_engine
     from edge0.engine.options import EngineOptions
     from edge0.text.prompt import ChatTemplate
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from edge0 import modeldir
-from edge0.engine.options import DEFAULT_IO_MODE, EXPERT_KERNELS, INT4_ACTIVATIONS, EngineOptions
+from edge0.engine.backends import BACKENDS
+from edge0.engine.options import DEFAULT_IO_MODE, INT4_ACTIVATIONS, EngineOptions
 from edge0.store.expert_file import IO_MODES
 from edge0.store.relayout import POLICIES
 from edge0.util import memory
@@ -162,13 +163,21 @@ def add_engine_args(
         "$XDG_CACHE_HOME/edge0 or ~/.cache/edge0)",
     )
     g.add_argument(
+        "--backend",
+        choices=["auto", *BACKENDS],
+        default=EngineOptions.backend,
+        help="the kernels: edge0's native ops, one call per token for its experts and one for "
+        "each attention layer they compute exactly (native, compiled once on this machine), "
+        "the pure-PyTorch reference (torch; the same numbers), or native where it builds "
+        "(auto, default)",
+    )
+    # the flag's name before the backends: fused is native
+    g.add_argument(
         "--expert-kernel",
-        choices=EXPERT_KERNELS,
-        default=EngineOptions.expert_kernel,
-        help="decode's expert and attention compute: native calls, one per token for its "
-        "experts and one for each attention layer they compute exactly (fused, compiled once "
-        "on this machine), the pure-PyTorch paths (torch; the same numbers), or fused where "
-        "it builds (auto, default)",
+        dest="backend",
+        type=lambda v: "native" if v == "fused" else v,
+        choices=["auto", *BACKENDS],
+        help=argparse.SUPPRESS,
     )
     g.add_argument(
         "--int4-activations",
@@ -176,7 +185,7 @@ def add_engine_args(
         default=EngineOptions.int4_activations,
         help="what the native int4 kernels multiply weights with: int8 codes with a scale per "
         "64 inputs (int8: integer dot products, the same numbers on every CPU) or activations "
-        "rounded to bf16 (bf16: torch's int4 kernel bit for bit, as --expert-kernel torch) "
+        "rounded to bf16 (bf16: torch's int4 kernel bit for bit, as --backend torch) "
         f"(default {EngineOptions.int4_activations})",
     )
     g.add_argument(
@@ -240,7 +249,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         stage_width=args.stage_width,
         relayout=args.relayout,
         cache_dir=args.cache_dir,
-        expert_kernel=args.expert_kernel,
+        backend=args.backend,
         int4_activations=args.int4_activations,
         dtype=getattr(torch, args.dtype),
         prerouter=args.prerouter,

@@ -247,7 +247,7 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None):
     from edge0.cli.args import default_model_dir, engine_options, sampling_params
-    from edge0.engine.core import load_engine
+    from edge0.engine.load import load_engine
 
     stdin = stdin if stdin is not None else sys.stdin  # None when started without one
     out = out or sys.stdout

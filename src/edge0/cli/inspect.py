@@ -18,180 +18,32 @@ Counting rules (the ones a header audit uses):
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from edge0 import modeldir
+from edge0.cli.inspect_headers import (
+    Count,
+    Tally,
+    Tensor,
+    config_value,
+    detect_format,
+    flat_config,
+    read_tensors,
+    weight_files,
+)
 from edge0.engine.options import EngineOptions
 from edge0.engine.plan import ModelSizes, make_plan, prediction_routed_layers, resolve_top_k
-from edge0.formats.checkpoint import INDEX_NAME, check_dir, is_adapter_file, read_header, read_json
+from edge0.formats.checkpoint import check_dir, is_adapter_file, read_json
 from edge0.formats.extents import ExtentLayout
 from edge0.formats.format import INT4
-from edge0.formats.mlx import QuantConfig, QuantParams, split_quantized
+from edge0.formats.mlx import QuantConfig, QuantParams
+from edge0.modeldir import Header
 from edge0.util import memory
 
 log = logging.getLogger(__name__)
-
-KINDS = (
-    "attention",
-    "embeddings",
-    "lm_head",
-    "shared_experts",
-    "routers",
-    "norms",
-    "dense_mlp",
-    "other",
-)
-NOT_SERVED = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "mtp")
-_LAYER = re.compile(r"\blayers\.(\d+)\.")
-_EXPERT = re.compile(r"\bexperts\.(\d+)\.")
-
-
-@dataclass
-class Count:
-    params: int = 0
-    bytes: int = 0
-    tensors: int = 0
-
-    def add(self, params: int, nbytes: int) -> None:
-        self.params += params
-        self.bytes += nbytes
-        self.tensors += 1
-
-
-@dataclass
-class Tensor:
-    """One logical tensor: name (module path for quantized weights), kind, counts."""
-
-    name: str
-    kind: str
-    shape: tuple[int, ...]
-    params: int
-    bytes: int
-    stored: int = 1  # tensors in the file: 3 for an MLX-quantized weight
-    bits: int | None = None  # of a quantized weight
-
-
-def kind_of(name: str) -> str:
-    """routed / unused or one of KINDS, from a tensor (or module) name."""
-    parts = name.split(".")
-    if any(p in NOT_SERVED for p in parts[:3]):
-        return "unused"
-    if re.search(r"\.(experts|switch_mlp)\.", name):
-        return "routed"
-    if re.search(r"\.(gate|router)(\.|$)", name) or "shared_expert_gate" in parts:
-        return "routers"
-    if parts[-1] in ("e_score_correction_bias", "expert_bias"):
-        return "routers"
-    if "shared_expert" in parts or "shared_experts" in parts:
-        return "shared_experts"
-    if any(p in ("embed_tokens", "word_embeddings", "wte", "tok_embeddings") for p in parts):
-        return "embeddings"
-    if "lm_head" in parts:
-        return "lm_head"
-    module = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
-    if "norm" in module:
-        return "norms"
-    if any(p in ("self_attn", "linear_attn", "attention", "attn", "mixer") for p in parts):
-        return "attention"
-    if any(p in ("mlp", "feed_forward", "block_sparse_moe") for p in parts):
-        return "dense_mlp"
-    return "other"
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def flat_config(raw: dict) -> dict:
-    """config.json with a multimodal `text_config` lifted to the top level."""
-    text = raw.get("text_config")
-    return {**raw, **text} if isinstance(text, dict) else dict(raw)
-
-
-def _first(cfg: dict, *keys, default=None):
-    return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
-
-
-# -- reading a directory -----------------------------------------------------------------------
-
-
-def detect_format(path: Path, raw_config: dict) -> str:
-    if (path / "edge0.json").is_file():
-        return "edge0"
-    return "mlx" if QuantConfig.from_config(raw_config, str(path)) is not None else "hf"
-
-
-def weight_files(path: Path, fmt: str) -> list[Path]:
-    if fmt == "edge0":
-        return [path / "model.safetensors", path / "experts.safetensors"]
-    index = path / INDEX_NAME
-    if index.is_file():
-        weight_map = read_json(index, "shard index").get("weight_map") or {}
-        return [path / f for f in sorted(set(weight_map.values()))]
-    return sorted(p for p in path.glob("*.safetensors") if not is_adapter_file(p))
-
-
-def read_tensors(files: list[Path], qcfg: QuantConfig | None) -> list[Tensor]:
-    """Logical tensors of safetensors files, from their headers."""
-    out = []
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"{f}: missing (listed for this directory)")
-        table, _ = read_header(f)
-        quantized, plain = split_quantized(table, qcfg, str(f))
-        for module, qt in quantized.items():
-            out.append(
-                Tensor(module, kind_of(module), qt.shape, qt.numel, qt.nbytes, 3, qt.params.bits)
-            )
-        for key in plain:
-            info = table[key]
-            out.append(Tensor(key, kind_of(key), info.shape, _numel(info.shape), info.nbytes))
-    return out
-
-
-class Tally:
-    """Counts by kind, and per MoE layer the routed parameters and the number of experts."""
-
-    def __init__(self):
-        self.total, self.routed, self.unused = Count(), Count(), Count()
-        self.resident = {k: Count() for k in KINDS}
-        self.layer_params: dict[int, int] = {}
-        self._experts: dict[int, set[int] | int] = {}  # expert indices seen, or a stack's E
-
-    def add(self, t: Tensor, manifest: dict | None) -> None:
-        if t.kind == "unused":
-            self.unused.add(t.params, t.bytes)
-            return
-        params = t.params
-        if t.kind == "routed":
-            m = _LAYER.search(t.name)
-            layer = int(m[1]) if m else -1
-            if t.name.endswith(".extents"):  # edge0: U8 [E, extent bytes], 3*D*I params each
-                ex = (manifest or {}).get("experts") or {}
-                params = t.shape[0] * 3 * ex.get("hidden", 0) * ex.get("inter", 0)
-                self._experts[layer] = t.shape[0]
-            elif e := _EXPERT.search(t.name):  # per-expert keys: count distinct indices
-                seen = self._experts.setdefault(layer, set())
-                if isinstance(seen, set):
-                    seen.add(int(e[1]))
-            else:  # a stack [E, out, in] (HF fused, MLX switch_mlp)
-                self._experts[layer] = t.shape[0]
-            self.layer_params[layer] = self.layer_params.get(layer, 0) + params
-            self.routed.add(params, t.bytes)
-        else:
-            self.resident[t.kind].add(params, t.bytes)
-        self.total.add(params, t.bytes)
-
-    def experts(self) -> dict[int, int]:
-        return {k: len(v) if isinstance(v, set) else v for k, v in self._experts.items()}
-
 
 # -- the report -----------------------------------------------------------------------------
 
@@ -263,8 +115,10 @@ def inspect_dir(
     layer_params = tally.layer_params
     per_expert_params = {k: layer_params[k] // experts[k] for k in experts}
     embed = next((t for t in tensors if t.kind == "embeddings"), None)
-    hidden = int(_first(cfg, "hidden_size", "d_model", default=embed.shape[-1] if embed else 0))
-    native_k = int(_first(cfg, "num_experts_per_tok", "moe_topk", "top_k", default=0))
+    hidden = int(
+        config_value(cfg, "hidden_size", "d_model", default=embed.shape[-1] if embed else 0)
+    )
+    native_k = int(config_value(cfg, "num_experts_per_tok", "moe_topk", "top_k", default=0))
     if not native_k and top_k is None:
         raise ValueError(f"{path / 'config.json'}: no num_experts_per_tok; pass top_k")
     recorded_k = (manifest or {}).get("served_top_k")
@@ -381,15 +235,17 @@ def state_bytes(path: Path, raw: dict, tokens: int, dtype: torch.dtype) -> tuple
     except ValueError as e:  # a family edge0 does not serve can still be inspected
         log.info("%s: state estimated from config.json (%s)", path, e)
     cfg = flat_config(raw)
-    layers = int(_first(cfg, "num_hidden_layers", default=0))
+    layers = int(config_value(cfg, "num_hidden_layers", default=0))
     types = cfg.get("layer_types")
     full = types.count("full_attention") if isinstance(types, list) else layers
     if cfg.get("kv_lora_rank"):  # MLA keeps a compressed latent + the rope key per token
         per_token = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 0))
     else:
-        heads = int(_first(cfg, "num_attention_heads", default=1))
-        kv = int(_first(cfg, "num_key_value_heads", default=heads))
-        head_dim = int(_first(cfg, "head_dim", default=int(cfg.get("hidden_size", 0)) // heads))
+        heads = int(config_value(cfg, "num_attention_heads", default=1))
+        kv = int(config_value(cfg, "num_key_value_heads", default=heads))
+        head_dim = int(
+            config_value(cfg, "head_dim", default=int(cfg.get("hidden_size", 0)) // heads)
+        )
         per_token = 2 * kv * head_dim
     return full * tokens * per_token * dtype.itemsize, "config estimate (full attention only)"
 
@@ -424,7 +280,7 @@ def predict_memory(
         adapter_params=r.adapters["lora"].params if "lora" in r.adapters else 0,
         head_params=pre.params if pre else 0,
         prediction_routed_layers=_consumers(path, fmt, r.moe_layers) if pre else 0,
-        position_limit=_first(flat_config(raw), "max_position_embeddings", default=None),
+        position_limit=config_value(flat_config(raw), "max_position_embeddings", default=None),
     )
     try:
         plan = make_plan(sizes, options)
@@ -447,7 +303,7 @@ def int4_resident(path: Path, raw: dict, fmt: str, tensors: list[Tensor]) -> tup
     Hugging Face checkpoint of a family edge0 serves, those `convert` would quantize."""
     from edge0.engine.plan import int4_held_bytes
 
-    tied = bool(_first(flat_config(raw), "tie_word_embeddings", default=False))
+    tied = bool(config_value(flat_config(raw), "tie_word_embeddings", default=False))
     resident = [t for t in tensors if t.kind not in ("routed", "unused")]
     if fmt in ("edge0", "mlx"):
         chosen = [t for t in resident if t.bits == 4]
@@ -478,7 +334,7 @@ def _consumers(path: Path, fmt: str, moe_layers: int) -> int:
 
         fam, cfg = load_config(path)
         layers = build(fam, cfg, ExpertSlot).moe_layers
-        return prediction_routed_layers(path / modeldir.PREROUTER_FILE, layers)
+        return prediction_routed_layers(Header.read(path / modeldir.PREROUTER_FILE), layers)
     return max(0, moe_layers - 1)  # released heads: each MoE layer but the last predicts the next
 
 

@@ -92,7 +92,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from edge0.cli.args import default_model_dir, engine_options
-    from edge0.engine.core import load_engine
+    from edge0.engine.load import load_engine
     from edge0.server.app import ServerOptions, create_app
     from edge0.server.lifecycle import serve
     from edge0.util.threads import ComputeThread

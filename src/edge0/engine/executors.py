@@ -1,156 +1,28 @@
-"""Executor strategies: how a layer gets its experts' bytes from the pool and computes them.
+"""Executor strategies: how a layer gets its experts' bytes from the pool for one forward.
 
-  ExactExecutor       decode, gate-routed layers: read what the router chose (misses only),
-                      then compute
-  StagedExecutor      decode, prediction-routed layers: compute what the request staged for
+  ExactExecutor       decode, gate-routed layers: read what the router chose (misses only)
+  StagedExecutor      decode, prediction-routed layers: take what the request staged for
                       this layer one token ahead
-  (both compute with a DecodeExperts: the pure-PyTorch `torch_experts`, or `FusedExperts`
-  over the native op that runs a token's K experts in one call)
   WholeLayerExecutor  prefill: read the layer's experts in runs, compute every prompt token,
                       and read the next layer while this one computes
 
-The engine picks one per layer and phase and passes them in the call's Forward.
-
-All paths compute down(silu(gate x) * up x) from the same int4 bytes (the math contract).
+They compute with the backend's ExpertOps (backends/base.py). The engine picks one executor
+per layer and phase and passes them in the call's Forward. Every path computes
+down(silu(gate x) * up x) from the same int4 bytes (the math contract).
 Shape legend: T tokens, K active, D hidden, I expert width.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from pathlib import Path
-from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
-from edge0 import native
-from edge0.engine.options import EXPERT_KERNELS
-from edge0.formats import quant
-from edge0.formats.extents import ExpertTensors, ExtentLayout
-from edge0.formats.int4_layout import Int4Layout
-from edge0.models.experts import for_each_expert, swiglu_dense
+from edge0.engine.backends.base import ExpertOps
+from edge0.formats.extents import ExpertTensors
+from edge0.models.experts import for_each_expert
 from edge0.store.pool import Entry, ExpertPool
-
-log = logging.getLogger(__name__)
-
-# Below this many tokens per expert torch's int4 kernel beats dequantize + fp32 matmul on the
-# CPUs we measured (docs/kernels.md); above it the dense matmul amortises the dequantization.
-DENSE_MIN_TOKENS = 96
-# The same for edge0's (RowExperts), which decodes a block's weights once per 4 tokens: on an
-# Intel Xeon model 167 the dense path won from ~200 tokens at D 256, I 128, ~300 at D 1024, I
-# 512 and ~700 at D 2048, I 768 (192 tokens: 3.4 against 5.4 ms, 10.1 against 18.7 ms).
-ROWS_DENSE_MIN_TOKENS = 256
-
-
-def swiglu_int4(x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
-    """One expert on its tokens with the int4 kernel: x [n, D] -> fp32 [n, D]."""
-    gate, up = quant.int4_linear(x, t.w13, t.p13).float().chunk(2, dim=-1)
-    return quant.int4_linear(F.silu(gate) * up, t.w2, t.p2).float()
-
-
-def swiglu_dequantized(layout: ExtentLayout, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
-    """One expert on many tokens: its weights dequantized to fp32, then dense matmuls."""
-    w13, w2 = layout.dequantize(t)
-    return swiglu_dense(x.float(), w13, w2)
-
-
-def swiglu_extent(layout: ExtentLayout, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
-    """The kernel chosen by token count: int4 for few tokens, dequantized fp32 for many."""
-    if x.shape[0] < DENSE_MIN_TOKENS:
-        return swiglu_int4(x, t)
-    return swiglu_dequantized(layout, x, t)
-
-
-class DecodeExperts(Protocol):
-    """x [T, D] through each token's experts, whose int4 tensors are in `tensors` -> [T, K, D]."""
-
-    def __call__(
-        self, x: torch.Tensor, indices: torch.Tensor, tensors: dict[int, ExpertTensors]
-    ) -> torch.Tensor: ...
-
-
-def torch_experts(
-    x: torch.Tensor, indices: torch.Tensor, tensors: dict[int, ExpertTensors]
-) -> torch.Tensor:
-    """The reference: one expert at a time in PyTorch ops."""
-    return for_each_expert(x, indices, lambda e, xs: swiglu_int4(xs, tensors[e]))
-
-
-class FusedExperts:
-    """Each token's K experts in one call of the native op (native/int4_gemv.cpp), which
-    computes what swiglu_int4 computes, bit for bit: bit-identical to torch_experts, in one
-    parallel region instead of ~16 ops per expert."""
-
-    def __init__(self, op: Callable[..., torch.Tensor], layout: list[int], isa: int):
-        self.op, self.layout, self.isa = op, layout, isa
-
-    def __call__(
-        self, x: torch.Tensor, indices: torch.Tensor, tensors: dict[int, ExpertTensors]
-    ) -> torch.Tensor:
-        rows = [
-            self.row(x[t : t + 1], [tensors[e] for e in experts])
-            for t, experts in enumerate(indices.tolist())
-        ]
-        return rows[0][None] if len(rows) == 1 else torch.stack(rows)  # [T, K, D]
-
-    def row(self, x: torch.Tensor, ts: list[ExpertTensors]) -> torch.Tensor:
-        """One token x [1, D] through the experts ts, in order -> [K, D]."""
-        fields = ([a.w13 for a in ts], [a.p13 for a in ts], [a.w2 for a in ts], [a.p2 for a in ts])
-        return self.op(x, *fields, self.layout, self.isa)
-
-
-class RowExperts:
-    """Prefill's experts in one call of the native op (native/int4_gemv.cpp,
-    swiglu_int4_rows): several experts, each on the tokens routed to it, every row what
-    swiglu_int4 computes for it, bit for bit, in two parallel regions instead of ~12 ATen
-    ops per expert."""
-
-    def __init__(self, op: Callable[..., torch.Tensor], layout: list[int], isa: int):
-        self.op, self.layout, self.isa = op, layout, isa
-
-    def __call__(self, x: torch.Tensor, groups: list[tuple[torch.Tensor, ExpertTensors]]):
-        """x [T, D]; groups: (token rows int64 [n], the expert's tensors) -> fp32 [sum n, D]."""
-        fields = [[g[0] for g in groups]]
-        fields += [[getattr(g[1], f) for g in groups] for f in ("w13", "p13", "w2", "p2")]
-        return self.op(x, *fields, self.layout, self.isa)
-
-
-def row_experts(decode: DecodeExperts, cache_dir: Path | None = None) -> RowExperts | None:
-    """Prefill's native expert op where decode runs the native one (FusedExperts), else None
-    (prefill then computes one expert at a time)."""
-    if not isinstance(decode, FusedExperts):
-        return None
-    return RowExperts(native.swiglu_int4_rows(cache_dir), decode.layout, decode.isa)
-
-
-def decode_experts(
-    kernel: str,
-    cache_dir: Path | None = None,
-    int8: bool = False,
-    int4: Int4Layout | None = None,
-) -> DecodeExperts:
-    """The decode compute that EngineOptions.expert_kernel names ("auto": fused where the
-    native op builds, else torch, with a warning saying why); `int8`: the native op's
-    int8-activation kernel (EngineOptions.int4_activations); `int4`: the experts'
-    arrangement where it is not the host's (its int8 order: int8 only)."""
-    if kernel not in EXPERT_KERNELS:
-        raise ValueError(f"expert_kernel must be one of {', '.join(EXPERT_KERNELS)}: {kernel!r}")
-    if kernel == "torch":
-        return torch_experts
-    try:
-        layout, isa = native.kernel_args(int8)
-        if int4 is not None:
-            layout = native.layout_code(int4)
-        return FusedExperts(native.swiglu_int4_gemv(cache_dir), layout, isa)
-    except native.NativeUnavailable as e:
-        if kernel == "fused":
-            raise
-        log.warning("%s; decode uses the pure-PyTorch expert path", e)
-        return torch_experts
 
 
 def distinct(indices: torch.Tensor) -> list[int]:
@@ -164,31 +36,32 @@ class DecodeExecutor:
     compute them, unpin."""
 
     pool: ExpertPool
-    compute: DecodeExperts
-    fused: bool  # compute is FusedExperts: a decode token goes to its op in routing order
+    ops: ExpertOps
 
     def pin(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[dict, list[Entry]]:
         raise NotImplementedError
 
     def token(self, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
-        """One token x [1, D] through its routed experts, in routing order, with the native
-        op -> [K, D] (what pin and FusedExperts do, without the sorted set and the dicts)."""
+        """One token x [1, D] through its routed experts, in routing order -> [K, D]."""
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.shape[0] == 1:
+        if x.shape[0] == 1:
             return self.token(x, indices.tolist()[0])[None]
         tensors, entries = self.pin(x, indices)
         try:
-            return self.compute(x, indices, tensors)
+            return for_each_expert(x, indices, lambda e, xs: self._rows(xs, tensors[e]))
         finally:
             self.pool.release(entries)
 
+    def _rows(self, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
+        return self.ops.rows(x, [(torch.arange(x.shape[0]), t)])
+
     def _computed(self, x: torch.Tensor, routed: list[Entry], held: list[Entry]) -> torch.Tensor:
-        """x through the routed experts' entries (in routing order) with the op, once they
-        have landed; then the entries held for it unpinned."""
+        """x through the routed experts' entries (in routing order), once they have landed;
+        then the entries held for it unpinned."""
         try:
-            return self.compute.row(x, self.pool.wait(routed))
+            return self.ops.token(x, self.pool.wait(routed))
         finally:
             self.pool.release(held)
 
@@ -198,21 +71,14 @@ class ExactExecutor(DecodeExecutor):
     `sole`: this thread is the only one that requests from the pool (no heads thread), so a
     token whose experts are all loaded uses them unpinned (ExpertPool.peek)."""
 
-    def __init__(
-        self,
-        pool: ExpertPool,
-        layer: int,
-        compute: DecodeExperts = torch_experts,
-        sole: bool = False,
-    ):
-        self.pool, self.layer, self.compute = pool, layer, compute
-        self.fused, self.sole = isinstance(compute, FusedExperts), sole
+    def __init__(self, pool: ExpertPool, layer: int, ops: ExpertOps, sole: bool = False):
+        self.pool, self.layer, self.ops, self.sole = pool, layer, ops, sole
 
     def token(self, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
         if self.sole:
             tensors = self.pool.peek(self.layer, experts)
             if tensors is not None:
-                return self.compute.row(x, tensors)
+                return self.ops.token(x, tensors)
         entries = self.pool.request(self.layer, experts)
         return self._computed(x, entries, entries)
 
@@ -232,10 +98,9 @@ class StagedExecutor(DecodeExecutor):
     pool had no room to stage this layer, its experts are read now, like the exact path.
     """
 
-    def __init__(self, pool: ExpertPool, layer: int, state, compute: DecodeExperts = torch_experts):
+    def __init__(self, pool: ExpertPool, layer: int, state, ops: ExpertOps):
         self.pool, self.layer, self.state = pool, layer, state  # the request's PrerouterState
-        self.compute = compute
-        self.fused = isinstance(compute, FusedExperts)
+        self.ops = ops
 
     def token(self, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
         by_expert, entries = self._take(experts)
@@ -271,16 +136,15 @@ class StagedExecutor(DecodeExecutor):
 
 
 def rows_together(
-    rows: RowExperts, executors: list, x: torch.Tensor, indices: torch.Tensor
+    ops: ExpertOps, executors: list, x: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
     """A decode forward of B requests' rows at one MoE layer: each row's executor pins (and
-    reads) what it would alone, then every row's experts run in one call of the native op
-    (an expert two rows share, once for both) -> [B, K, D]. Each row's result is what its
-    executor computes alone, bit for bit (the op's rows are swiglu_int4's, which
-    FusedExperts computes too). Where every row is gate-routed on the pool's one requesting
-    thread and every expert is loaded, they are used unpinned (ExpertPool.peek), as one such
-    row's own step uses them. The routing's places are grouped in Python: a decode forward
-    has B * K of them, and the sort, count and splits of a prefill's _Slots cost more."""
+    reads) what it would alone, then every row's experts run in one ops.rows call (an
+    expert two rows share, once for both) -> [B, K, D]. Each row's result is what its
+    executor computes alone, bit for bit (a backend's rows compute what its token does).
+    Where every row is gate-routed on the pool's one requesting thread and every expert is
+    loaded, they are used unpinned (ExpertPool.peek), as one such row's own step uses them.
+    The places are grouped in Python: B * K of them cost less so than a prefill's _Slots."""
     routed = indices.tolist()
     k = len(routed[0])
     places: dict[int, list[int]] = {}
@@ -300,7 +164,7 @@ def rows_together(
             groups.append((torch.tensor([p // k for p in places[e]]), t))
             order += places[e]
         out = x.new_empty(*indices.shape, x.shape[-1])
-        computed = rows(x, groups).to(x.dtype)
+        computed = ops.rows(x, groups).to(x.dtype)
         out.view(-1, x.shape[-1]).index_copy_(0, torch.tensor(order), computed)
         return out
     finally:
@@ -358,14 +222,12 @@ class PrefillPlan:
 
 
 class WholeLayerExecutor:
-    """Prefill path: all of the layer's needed experts, computed as their reads land (with
-    `rows`, every expert that has landed in one native call, those with ROWS_DENSE_MIN_TOKENS
-    tokens or more on the dense path)."""
+    """Prefill path: all of the layer's needed experts, computed as their reads land: every
+    expert that has landed in one ops.rows call, those with ops.dense_from tokens or more on
+    their dequantized weights."""
 
-    def __init__(
-        self, pool: ExpertPool, layer: int, plan: PrefillPlan, rows: RowExperts | None = None
-    ):
-        self.pool, self.layer, self.plan, self.rows = pool, layer, plan, rows
+    def __init__(self, pool: ExpertPool, layer: int, plan: PrefillPlan, ops: ExpertOps):
+        self.pool, self.layer, self.plan, self.ops = pool, layer, plan, ops
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(*indices.shape, x.shape[-1])  # [T, K, D]
@@ -382,7 +244,7 @@ class WholeLayerExecutor:
         todo = [e for e in needed if e not in by_expert]
         held = [by_expert[e] for e in needed if e in by_expert]
         self.plan.read_ahead(self.layer, reserve=len(todo))
-        slots = _Slots(indices) if self.rows is not None else None
+        slots = _Slots(indices)
         while held or todo:
             room = max(1, self.pool.available())
             wave, todo = todo[:room], todo[room:]
@@ -400,31 +262,22 @@ class WholeLayerExecutor:
             if not any(f.done() for f in pending):
                 self.pool.wait([next(iter(pending.values()))])  # counts the blocked time
             done, _ = wait_futures(list(pending), timeout=0, return_when=FIRST_COMPLETED)
-            landed = [pending.pop(fut) for fut in done]
-            if slots is not None:
-                self._compute_rows(x, landed, out, slots)
-                continue
-            for en in landed:
-                (t,) = self.pool.wait([en])
-                e = en.key[1]
-                tok, slot = torch.nonzero(indices == e, as_tuple=True)
-                if tok.numel():
-                    out[tok, slot] = swiglu_extent(self.pool.layout, x[tok], t).to(out.dtype)
+            self._compute_rows(x, [pending.pop(fut) for fut in done], out, slots)
 
     def _compute_rows(self, x, entries: list[Entry], out, slots: _Slots) -> None:
-        """The landed experts' tokens through the native op, written to their (token, slot)
-        places in out; an expert with many tokens through swiglu_extent."""
+        """The landed experts' tokens through ops.rows, written to their (token, slot) places
+        in out; an expert with many tokens through ops.dense."""
         flat = out.view(-1, out.shape[-1])  # [T * K, D]: place t * K + k
         groups, places = [], []
         for en, t in zip(entries, self.pool.wait(entries), strict=True):
             at, tokens = slots.places(en.key[1]), slots.tokens(en.key[1])
-            if at.numel() >= ROWS_DENSE_MIN_TOKENS:
-                flat[at] = swiglu_dequantized(self.pool.layout, x[tokens], t).to(out.dtype)
+            if at.numel() >= self.ops.dense_from:
+                flat[at] = self.ops.dense(self.pool.layout, x[tokens], t).to(out.dtype)
             elif at.numel():
                 groups.append((tokens, t))
                 places.append(at)
         if groups:
-            flat[torch.cat(places)] = self.rows(x, groups).to(out.dtype)
+            flat[torch.cat(places)] = self.ops.rows(x, groups).to(out.dtype)
 
 
 class _Slots:

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 DEFAULT_IO_MODE = "direct"
-EXPERT_KERNELS = ("auto", "fused", "torch")  # EngineOptions.expert_kernel
 INT4_ACTIVATIONS = ("int8", "bf16")  # EngineOptions.int4_activations
 
 
@@ -25,11 +24,10 @@ class EngineOptions:
     relayout: str = "cache"  # codes in another arrangement than the host's: "cache" or "on-read"
     cache_dir: Path | None = None  # where "cache" keeps repacked copies (default ~/.cache/edge0)
     dtype: torch.dtype = torch.float32
-    # how decode computes a token's experts and attention: "fused" (the native ops: one call
-    # for its K experts, one per attention layer the op computes exactly; compiled on first
-    # use), "torch" (the pure-PyTorch reference paths; the same numbers), "auto" (fused where
-    # it can be built, else torch)
-    expert_kernel: str = "auto"
+    # the kernels (engine/backends): "native" (edge0's compiled ops: a token's K experts in one
+    # call, a decode token's attention half in one per layer; built on first use), "torch"
+    # (the pure-PyTorch reference; the same numbers), "auto" (native where it builds)
+    backend: str = "auto"
     # what the native int4 kernels multiply the weights with: activations rounded to bf16
     # ("bf16": torch's int4 kernel bit for bit, the PyTorch path's numbers) or int8 codes with
     # a scale per 64 ("int8": integer dot products, faster, the same bits on every CPU; the

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from edge0 import modeldir
 from edge0.engine.options import EngineOptions
-from edge0.formats.checkpoint import read_header
+from edge0.formats.checkpoint import TensorInfo
 from edge0.formats.format import INT4
+from edge0.modeldir import Header, ModelDir
 from edge0.util import memory
 
 # What a process needs beyond the floor and the pool (torch, the tokenizer, Python, the
@@ -110,10 +110,11 @@ def resolve_top_k(requested: int | None, served: int | None, native: int) -> int
 
 
 def heads_itemsize(options: EngineOptions) -> int:
-    """Bytes per prerouter head parameter as served: the file's fp16 where decode runs the
-    native ops (native/heads.cpp reads them as stored), else stacked at the compute dtype
-    (prerouter/head.py). load_engine settles "auto" before planning."""
-    return 2 if options.expert_kernel != "torch" else options.dtype.itemsize
+    """Bytes per prerouter head parameter as the backend serves them (the native one reads
+    the file's fp16 as stored; the torch one stacks them at the compute dtype)."""
+    from edge0.engine.backends import backend_class
+
+    return backend_class(options.backend).heads_itemsize(options.dtype)
 
 
 def make_plan(
@@ -232,11 +233,6 @@ def _floor_parts(floor: Floor, active: int) -> str:
     return f" (with {', '.join(parts)})" if parts else ""
 
 
-def _params(path: Path) -> int:
-    table, _ = read_header(path)
-    return sum(_numel(t.shape) for t in table.values())
-
-
 def int4_held_bytes(out: int, inp: int, embedding: bool = False, tied: bool = False) -> int:
     """Bytes an int4 resident weight [out, inp] takes loaded (models/int4.py): codes plus a
     (scale, zero) or (scale, bias) pair per group, and for a tied embedding the packed copy
@@ -245,13 +241,13 @@ def int4_held_bytes(out: int, inp: int, embedding: bool = False, tied: bool = Fa
     return 2 * one if embedding and tied else one
 
 
-def resident_sizes(path: Path, model) -> tuple[int, int]:
-    """(float parameters, int4 bytes as held) of an edge0 directory's model.safetensors."""
+def resident_sizes(table: dict[str, TensorInfo], model) -> tuple[int, int]:
+    """(float parameters, int4 bytes as held) of an edge0 directory's model.safetensors, from
+    its header's tensor table."""
     from torch import nn
 
     from edge0.models.int4 import Int4Embedding
 
-    table, _ = read_header(path)
     modules = dict(model.named_modules())
     int4 = {k.removesuffix(".scales") for k in table if k.endswith(".scales")}
     floats, held = 0, 0
@@ -263,64 +259,50 @@ def resident_sizes(path: Path, model) -> tuple[int, int]:
                 emb = isinstance(modules.get(module), nn.Embedding | Int4Embedding)
                 held += int4_held_bytes(out, inp, emb, model.config.tie_word_embeddings)
             elif part not in ("scales", "biases"):
-                floats += _numel(info.shape)  # a bias
+                floats += info.numel  # a bias
         else:
-            floats += _numel(info.shape)
+            floats += info.numel
     return floats, held
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def prediction_routed_layers(path: Path, moe_layers: list[int]) -> int:
+def prediction_routed_layers(heads: Header, moe_layers: list[int]) -> int:
     """Consumers of a prerouter file's heads, from its header: its recorded wiring, else each
     owner predicting the next MoE layer (prerouter/head.py reads files the same way)."""
-    table, meta = read_header(path)
-    if "consumers" in meta:
-        return len(json.loads(meta["consumers"]))
-    owners = {int(k.split(".")[1]) for k in table}
+    if "consumers" in heads.meta:
+        return len(json.loads(heads.meta["consumers"]))
+    owners = {int(k.split(".")[1]) for k in heads.table}
     return sum(1 for a in moe_layers[:-1] if a in owners)
 
 
-def model_dir_sizes(path: Path, manifest: modeldir.Manifest, model, options: EngineOptions):
-    """ModelSizes of an edge0 directory as `options` would serve it (which adapters load);
-    `model` is the family's model (a meta-device one will do) for the state's size."""
-    heads = options.prerouter or path / modeldir.PREROUTER_FILE
-    serve_heads = not options.no_prerouter and (options.prerouter is not None or heads.exists())
-    adapter = options.lora or path / modeldir.LORA_FILE
-    serve_lora = not options.no_lora and (options.lora is not None or adapter.exists())
+def model_sizes(md: ModelDir) -> ModelSizes:
+    """ModelSizes of an opened edge0 directory, with the adapters it serves, from its headers
+    and its meta-device model (no weight read)."""
+    model = md.skeleton
     layers = model.moe_layers
-    floats, int4_bytes = resident_sizes(path / modeldir.RESIDENT_FILE, model)
+    floats, int4_bytes = resident_sizes(md.resident.table, model)
     return ModelSizes(
         resident_params=floats,
         int4_bytes=int4_bytes,
         moe_layers=len(layers),
-        experts_per_layer=manifest.experts["num_experts"],
-        extent_bytes=manifest.layout().nbytes,
-        native_top_k=manifest.native_top_k,
-        served_top_k=manifest.served_top_k,
-        served_stage_width=manifest.served_stage_width,
+        experts_per_layer=md.manifest.experts["num_experts"],
+        extent_bytes=md.layout.nbytes,
+        native_top_k=md.manifest.native_top_k,
+        served_top_k=md.manifest.served_top_k,
+        served_stage_width=md.manifest.served_stage_width,
         state_bytes=lambda n, dtype: model.new_cache(n, dtype, device="meta").nbytes(),
-        adapter_params=_params(adapter) if serve_lora else 0,
-        head_params=_params(heads) if serve_heads else 0,
-        prediction_routed_layers=prediction_routed_layers(heads, layers) if serve_heads else 0,
+        adapter_params=md.lora.params if md.lora else 0,
+        head_params=md.heads.params if md.heads else 0,
+        prediction_routed_layers=prediction_routed_layers(md.heads, layers) if md.heads else 0,
         position_limit=getattr(model.config, "max_position_embeddings", None),
     )
+
+
+def open_dir(path: Path | str, options: EngineOptions) -> ModelDir:
+    """An edge0 directory opened with the adapters `options` serve."""
+    return ModelDir(path, options.lora, options.prerouter, options.no_lora, options.no_prerouter)
 
 
 def plan_for_dir(path: Path | str, options: EngineOptions) -> ServingPlan:
     """The plan for serving an edge0 directory with `options`, from headers and a meta-device
     model (no weights read): what load_engine would allocate."""
-    from edge0.modeldir.loader import build
-    from edge0.models import load_config
-    from edge0.models.experts import ExpertSlot
-
-    path = Path(path)
-    manifest = modeldir.Manifest.load(path)
-    fam, cfg = load_config(path)
-    model = build(fam, cfg, ExpertSlot)
-    return make_plan(model_dir_sizes(path, manifest, model, options), options)
+    return make_plan(model_sizes(open_dir(path, options)), options)

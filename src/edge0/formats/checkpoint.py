@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -78,6 +79,10 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
     nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:

@@ -2,10 +2,11 @@
 
 Three ways to get a runnable model:
   load_hf_model        a Hugging Face directory, every expert resident in float (the teacher)
-  load_edge0_model     an edge0 directory; experts either stream from disk ("streaming", with
-                       int4 resident weights as Int4 modules) or are dequantized from the int4
-                       extents into memory ("dequantized", int4 resident weights too: the
-                       student path that training runs on, exactly what the kernels compute)
+  load_edge0_model     an edge0 directory (ModelDir.load_model); experts either stream from
+                       disk ("streaming", with int4 resident weights as Int4 modules) or are
+                       dequantized from the int4 extents into memory ("dequantized", int4
+                       resident weights too: the student path that training runs on, exactly
+                       what the kernels compute)
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from edge0 import modeldir
 from edge0.formats.checkpoint import Checkpoint, ExpertSource, ServedCheckpoint, check_dir
 from edge0.formats.int4_layout import host_layout
-from edge0.models import int4, load_config
-from edge0.models.experts import ExpertSlot, ResidentExperts
+from edge0.models import load_config
+from edge0.models.experts import ResidentExperts
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
 
@@ -91,37 +90,10 @@ def load_edge0_model(
     path: Path | str, dtype: torch.dtype = torch.float32, experts: str = "streaming"
 ):
     """(manifest, model) for an edge0 directory. See the module docstring for `experts`."""
-    path = check_dir(path)
-    manifest = modeldir.Manifest.load(path)
-    fam, cfg = load_config(path)
-    if manifest.family != cfg.model_type:
-        raise ValueError(f"{path}: edge0.json says {manifest.family}, config.json {cfg.model_type}")
-    resident_path = path / modeldir.RESIDENT_FILE
-    if not resident_path.is_file():
-        raise FileNotFoundError(f"{resident_path}: missing resident weights")
-    try:
-        state = load_file(str(resident_path))
-    except SafetensorError as e:
-        raise ValueError(
-            f"{resident_path}: unreadable safetensors file ({e}); is it truncated?"
-        ) from e
-    if experts == "streaming":
-        model = build(fam, cfg, ExpertSlot)
-        int4.install(model, state, host_layout(), str(resident_path), dtype)
-    elif experts == "dequantized":
-        model = build(
-            fam,
-            cfg,
-            lambda layer: ResidentExperts(
-                cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-            ),
-        )
-        state.update(dequantized_experts(path, manifest, expert_prefixes(model)))
-        int4.dequantize_state(state)
-    else:
+    md = modeldir.ModelDir(path, no_lora=True, no_prerouter=True)
+    if experts not in ("streaming", "dequantized"):
         raise ValueError(f"experts must be 'streaming' or 'dequantized', not {experts!r}")
-    load_state(model, state, str(resident_path), dtype)
-    return manifest, model.eval()
+    return md.manifest, md.load_model(dtype, host_layout(), dequantized=experts == "dequantized")
 
 
 def dequantized_experts(

@@ -36,7 +36,7 @@ The library is compiled with the system's C++ compiler against the installed tor
 headers, in a child process, the first time it is needed (`make` set-up does it: `python -m
 edge0.native`), and kept under the cache directory, one build per torch version and source.
 A machine without a compiler gets `NativeUnavailable` naming why, and the engine then uses
-the pure-PyTorch path (EngineOptions.expert_kernel).
+the pure-PyTorch path (EngineOptions.backend).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def build(cache_dir: Path | None = None) -> Path:
         tail = [line[:200] for line in (proc.stderr or proc.stdout).strip().splitlines()[-3:]]
         raise NativeUnavailable(
             "could not compile the native decode kernels (a C++ compiler and torch's headers "
-            f"are needed; expert_kernel='torch' computes the same without it): "
+            f"are needed; backend='torch' computes the same without it): "
             f"{' | '.join(tail) or f'exit status {proc.returncode}'}"
         )
     log.info("compiled in %.1f s", time.perf_counter() - start)
@@ -162,10 +162,11 @@ def _registered() -> bool:
     return hasattr(torch.ops.edge0, "swiglu_int4_gemv")
 
 
-def _load(cache_dir: Path | None) -> None:
+def load(cache_dir: Path | None = None) -> None:
     """Build and load the library unless this process registered its ops already: loading a
     second build (another cache folder) would register them again, which aborts the
-    process, so registered ops are used as they are."""
+    process, so registered ops are used as they are. Raises NativeUnavailable saying why
+    where it cannot be built."""
     if not _registered():
         torch.ops.load_library(str(build(cache_dir)))
 
@@ -174,7 +175,7 @@ def available(cache_dir: Path | None = None) -> bool:
     """Whether the library builds and loads here; if not, a warning says why and that
     decode takes the pure-PyTorch paths."""
     try:
-        _load(cache_dir)
+        load(cache_dir)
     except NativeUnavailable as e:
         log.warning("%s; decode uses the pure-PyTorch paths", e)
         return False
@@ -219,96 +220,21 @@ def kernel_args(int8: bool = False) -> tuple[list[int], int]:
     return layout_code(int4_layout.host_layout()), kernel_isa() + (INT8 if int8 else 0)
 
 
-def swiglu_int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
-    """The op, built and loaded if need be:
-    (x [1, D], w13s, p13s, w2s, p2s, layout, isa) -> [K, D] in x's dtype."""
-    _load(cache_dir)
-    return torch.ops.edge0.swiglu_int4_gemv
-
-
-def swiglu_int4_rows(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
-    """The op, built and loaded if need be: (x [T, D], tokens (int64 [n] per expert), w13s,
-    p13s, w2s, p2s, layout, isa) -> fp32 [sum n, D], the experts' rows in order."""
-    _load(cache_dir)
-    return torch.ops.edge0.swiglu_int4_rows
-
-
-def int8_order_(cache_dir: Path | None = None) -> Callable[..., None]:
-    """The op, built and loaded if need be: (packed uint8 [N, K/2], layout of its own
-    arrangement) puts the codes in that arrangement's int8 order, in place."""
-    _load(cache_dir)
-    return torch.ops.edge0.int8_order_
+def op(name: str, cache_dir: Path | None = None) -> Callable:
+    """The library's op `name` (torch.ops.edge0.<name>), built and loaded if need be. Their
+    arguments: the module docstring, and each op's schema in its .cpp file."""
+    load(cache_dir)
+    return getattr(torch.ops.edge0, name)
 
 
 def put_in_int8_order(codes: torch.Tensor, own: Int4Layout) -> None:
     """Codes packed [N, K/2] in the arrangement `own`, put in its int8 order in place (the
     pool's reorder, ExtentLayout.finalize)."""
-    int8_order_()(codes, layout_code(own))
+    op("int8_order_")(codes, layout_code(own))
 
 
 def to_kernel_pairs(pairs: torch.Tensor) -> None:
     """quant.to_kernel_pairs, bit for bit, in one native loop (the pool's fix-up of each
     expert it reads, ExtentLayout.finalize): contiguous bf16 (scale, bias) pairs [..., 2]
     into (scale, zero), in place."""
-    _load(None)
-    torch.ops.edge0.kernel_pairs_(pairs)
-
-
-def int4_gemv(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
-    """The op, built and loaded if need be: (x [..., K], packed, pairs, layout, isa) -> [..., N]."""
-    _load(cache_dir)
-    return torch.ops.edge0.int4_gemv
-
-
-def attention_rows(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
-    """The op, built and loaded if need be: a decoder layer's attention half for one decode
-    token of each of B sequences (x [B, 1, D], cos and sin a row each, each row's key and
-    value buffers and position; its arguments: native/layer.py)."""
-    _load(cache_dir)
-    return torch.ops.edge0.attention_rows
-
-
-def moe_combine(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
-    """The op, built and loaded if need be:
-    (routed [1, K, D], weights [1, K], x [..., D], shared [1, D] or None, lanes) -> x's shape."""
-    _load(cache_dir)
-    return torch.ops.edge0.moe_combine
-
-
-def router_topk(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
-    """The op, built and loaded if need be: (h [T, D], gate weight [E, D], k, norm_topk_prob,
-    allowed [T, E] bool or None) -> [logits, weights, indices], as a bias-free router and
-    routing.softmax_topk."""
-    _load(cache_dir)
-    return torch.ops.edge0.router_topk
-
-
-def softmax_topk(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
-    """The op, built and loaded if need be: (logits [T, E], k, norm_topk_prob, allowed
-    [T, E] bool or None) -> [weights, indices], as routing.softmax_topk."""
-    _load(cache_dir)
-    return torch.ops.edge0.softmax_topk
-
-
-def attend_rows(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
-    """The op, built and loaded if need be: (q [B, H, 1, Dh], k, v [B, G, 1, Dh], each row's
-    key and value buffers [1, G, max, Dh], each row's position n, scale) -> [B, 1, H * Dh],
-    as RowCaches.attend with layers.attend: each row's key and value written at n, then its
-    attention over positions 0..n."""
-    _load(cache_dir)
-    return torch.ops.edge0.attend_rows
-
-
-def prerouter_head(cache_dir: Path | None = None) -> Callable[..., list[torch.Tensor]]:
-    """The op, built and loaded if need be: (h [B, D], executed [B, K], previous [B, K']
-    (int64, negative: none), w1 [W, D], w1_hot [2E, W], w2 [E, W], w0 [E, D], w0_hot [2E, E]
-    (fp16), stage, isa) -> [logits [B, E]] (+ [chosen [B, stage], allowed [B, E]] if stage)."""
-    _load(cache_dir)
-    return torch.ops.edge0.prerouter_head
-
-
-def rms_norm(cache_dir: Path | None = None) -> Callable[..., torch.Tensor]:
-    """The op, built and loaded if need be: (x [..., n] fp32, weight [n], eps, lanes) -> x's
-    shape."""
-    _load(cache_dir)
-    return torch.ops.edge0.rms_norm
+    op("kernel_pairs_")(pairs)

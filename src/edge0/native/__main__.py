@@ -26,7 +26,7 @@ def main() -> int:
     start = time.perf_counter()
     try:
         path = native.build(args.cache_dir)
-        native.swiglu_int4_gemv(args.cache_dir)  # loads and registers: the build works
+        native.load(args.cache_dir)  # loads and registers: the build works
     except native.NativeUnavailable as e:
         print(f"edge0: no native decode kernels, the pure-PyTorch paths will be used: {e}")
         return 0

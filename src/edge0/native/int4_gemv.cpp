@@ -818,7 +818,7 @@ void blocks_here(Path path, const Matrix& m, const std::vector<Segment>& segs, c
       block(path, m, sg, b, &x, &y, 1);
 }
 
-// The reference, per expert e (streaming/executors.py swiglu_int4):
+// The reference, per expert e (engine/backends/torch.py swiglu_int4):
 //   gate, up = int4_linear(x, w13[e], p13[e]).float().chunk(2)   (x to bf16, result bf16)
 //   y[e] = int4_linear(silu(gate) * up, w2[e], p2[e]).float()    (the product to bf16)
 // Where the threads can share the experts evenly (K a multiple of their count), each takes

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 FORMAT_VERSION = "1"
@@ -141,11 +141,9 @@ class Prerouter(nn.Module):
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no prerouter file (serve without one: no_prerouter)")
         try:
-            tensors = load_file(str(path))
-            from safetensors import safe_open
-
-            with safe_open(str(path), "pt") as f:
+            with safe_open(str(path), "pt") as f:  # one open: metadata and tensors
                 meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
         except SafetensorError as e:
             raise ValueError(f"{path}: unreadable safetensors file ({e})") from e
         if meta.get("kind", "prerouter") != "prerouter":

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from edge0.engine.core import GenerationStats
+from edge0.engine.stats import GenerationStats
 from edge0.util import memory
 
 

@@ -48,19 +48,21 @@ def experts_for_host(
     host: Int4Layout,
     policy: str = "cache",
     cache_dir: Path | None = None,
+    stored: Int4Layout | None = None,
 ) -> Path:
     """The extents file to serve on this host: the model's own if its arrangement is the
     host's, else (policy "cache") a repacked copy in `cache_dir`, built on first use. With
     policy "on-read", or when no copy can be written, the model's own file: the pool then
     repacks each extent as it reads it.
 
-    `layout` is the extents' layout as edge0.json records it and `sha256` the experts file's
-    recorded hash (None: hash it now).
+    `layout` is the extents' layout as edge0.json records it, `sha256` the experts file's
+    recorded hash (None: hash it now), `stored` the arrangement its header records (None:
+    read it now).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown relayout policy {policy!r}; choose one of {POLICIES}")
     src = Path(model_dir) / FILE_NAME
-    stored = stored_int4(src)
+    stored = stored or stored_int4(src)
     if stored != layout.int4:
         raise ValueError(
             f"{src}: its header says int4 layout {stored.name}, edge0.json says "

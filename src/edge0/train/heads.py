@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from edge0 import modeldir
-from edge0.engine.core import load_engine
+from edge0.engine.load import load_engine
 from edge0.engine.options import EngineOptions
+from edge0.models.base import Forward
 from edge0.models.routing import topk_onehot
 from edge0.prerouter.head import DEFAULT_WIDTH, Prerouter, Wiring, features
 from edge0.text.tokenizer import load_tokenizer
@@ -83,6 +84,16 @@ class Features:
 
 
 @torch.no_grad()
+@torch.inference_mode()
+def route(engine, windows: torch.Tensor, observer) -> None:
+    """Run token windows [B, T] through the engine's model as a prefill does (int4 experts
+    from its pool, each layer's own router, nothing cached) so that `observer(layer, h,
+    logits, indices)` sees every MoE layer's routing: the routing served, within the memory
+    the plan allows."""
+    with engine.whole_layers(windows.numel()) as executors:
+        engine.model.hidden(windows, Forward(observer=observer, executors=executors))
+
+
 def collect(
     engine, windows: torch.Tensor, wiring: Wiring, folder: Path, progress: bool, desc: str
 ) -> Features:
@@ -110,7 +121,7 @@ def collect(
     ):
         batch = windows[start : start + WINDOWS_PER_FORWARD]
         b = batch.shape[0]
-        engine.route(batch, observe)
+        route(engine, batch, observe)
         at += b * (t - 1)
         # written back now: clean pages can be dropped under a memory cap, dirty ones not
         out.flush()

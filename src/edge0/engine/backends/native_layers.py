@@ -61,7 +61,7 @@ def sum_lanes(cache_dir: Path | None = None) -> int | None:
     computing RMSNorm both ways on random rows: the first of SUM_LANES whose edge0.rms_norm
     equals layers.py RMSNorm bit for bit on all of them. None (with a warning) if none does:
     the native layers are then not used."""
-    op = native.rms_norm(cache_dir)
+    op = native.op("rms_norm", cache_dir)
     gen = torch.Generator().manual_seed(0)
     cases = []
     for n in _CALIBRATION_SIZES:
@@ -249,16 +249,14 @@ class NativeLayer:
 
 def native_layers(model: nn.Module, cache_dir=None, int8: bool = False) -> dict[int, NativeLayer]:
     """The stand-in for every decoder layer the op serves, by layer index (none where the
-    float sums' order could not be matched here: see native.sum_lanes); `int8`: its int4
+    float sums' order could not be matched here: see sum_lanes); `int8`: its int4
     projections through the int8-activation kernel."""
     lanes = sum_lanes(cache_dir)
     if lanes is None:
         return {}
-    ops = (
-        native.attention_rows(cache_dir),
-        native.moe_combine(cache_dir),
-        native.router_topk(cache_dir),
-        native.softmax_topk(cache_dir),
+    ops = tuple(
+        native.op(name, cache_dir)
+        for name in ("attention_rows", "moe_combine", "router_topk", "softmax_topk")
     )
     return {
         i: NativeLayer(layer, ops, lanes, int8)

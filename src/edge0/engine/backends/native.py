@@ -1,0 +1,105 @@
+"""The native backend: edge0's compiled ops (edge0.native), built once on the machine.
+
+Each computes what the PyTorch path computes, bit for bit (the int8-activation kernels
+excepted, which are their own reference's bits on every CPU), in one call where the PyTorch
+path takes dozens of ATen ops: a decode token's K experts, a prefill's experts, a decode
+token's attention half and routing (native_layers.py), the prerouter heads.
+
+Shape legend: T tokens, K active, D hidden, n tokens routed to one expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from edge0 import native
+from edge0.engine.backends.base import Backend, ExpertOps, Group
+from edge0.engine.backends.native_layers import native_layers
+from edge0.formats.extents import ExpertTensors, ExtentLayout
+from edge0.formats.int4_layout import Int4Layout
+
+# From this many tokens an expert of a prefill is computed on its dequantized weights: the
+# native op decodes a block's weights once per 4 tokens, and on an Intel Xeon model 167 the
+# dense path won from ~200 tokens at D 256, I 128, ~300 at D 1024, I 512 and ~700 at D 2048,
+# I 768 (192 tokens: 3.4 against 5.4 ms, 10.1 against 18.7 ms).
+ROWS_DENSE_MIN_TOKENS = 256
+# A batched decode step of at least this many requests computes their experts in one rows()
+# call; below it each row's own token() call is cheaper (the call's fixed cost; kernels.md)
+ROWS_TOGETHER = 4
+
+
+class NativeExperts(ExpertOps):
+    """A token's K experts in one call (edge0::swiglu_int4_gemv), several experts' rows in
+    one call (edge0::swiglu_int4_rows); the arrangement and the kernel path bound once."""
+
+    dense_from = ROWS_DENSE_MIN_TOKENS
+    rows_from = ROWS_TOGETHER
+
+    def __init__(self, token_op: Callable, rows_op: Callable, layout: list[int], isa: int):
+        self.token_op, self.rows_op, self.layout, self.isa = token_op, rows_op, layout, isa
+
+    def token(self, x: torch.Tensor, experts: list[ExpertTensors]) -> torch.Tensor:
+        fields = (
+            [t.w13 for t in experts],
+            [t.p13 for t in experts],
+            [t.w2 for t in experts],
+            [t.p2 for t in experts],
+        )
+        return self.token_op(x, *fields, self.layout, self.isa)
+
+    def rows(self, x: torch.Tensor, groups: list[Group]) -> torch.Tensor:
+        fields = [[g[0] for g in groups]]
+        fields += [[getattr(g[1], f) for g in groups] for f in ("w13", "p13", "w2", "p2")]
+        return self.rows_op(x, *fields, self.layout, self.isa)
+
+
+class NativeBackend(Backend):
+    """Raises native.NativeUnavailable where the library cannot be built or loaded."""
+
+    name = "native"
+    heads_bytes = 2  # heads.cpp reads the heads' fp16 weights as stored
+
+    def __init__(self, options):
+        super().__init__(options)
+        native.load(options.cache_dir)
+        self.int8 = options.int4_activations == "int8"
+
+    def pool_layout(self, stored: ExtentLayout, holds_every_expert: bool) -> ExtentLayout:
+        # Decode on the int8 AVX2 or AVX-512 kernel reads experts in their int8 order, put in as
+        # each is read, where the pool holds them all: read once, that costs ~40 us an expert at
+        # load. Under a cap every read would pay it again, on the cores that decode (a 1/3 cap on
+        # the peer bench shape: 0.87x as fast), so there they stay as stored.
+        host = self.arrangement
+        if self.int8 and holds_every_expert and native.int8_order_pays():
+            host = host.in_int8_order()
+        return stored.with_int4(host)
+
+    def reorder(self) -> Callable[[torch.Tensor, Int4Layout], None]:
+        return native.put_in_int8_order
+
+    def kernel_pairs(self) -> Callable[[torch.Tensor], None]:
+        # as torch ops the fix-up costs ~85 us an expert of the peer bench shape, on the cores
+        # that decode while a prerouter's reads overlap the step
+        return native.to_kernel_pairs
+
+    def expert_ops(self, arrangement: Int4Layout) -> NativeExperts:
+        cache = self.options.cache_dir
+        _, isa = native.kernel_args(self.int8)
+        return NativeExperts(
+            native.op("swiglu_int4_gemv", cache),
+            native.op("swiglu_int4_rows", cache),
+            native.layout_code(arrangement),
+            isa,
+        )
+
+    def layers(self, model: nn.Module) -> dict[int, Callable]:
+        return native_layers(model, self.options.cache_dir, self.int8)
+
+    def attend_rows(self) -> Callable:
+        return native.op("attend_rows", self.options.cache_dir)
+
+    def heads(self) -> tuple[Callable, int]:
+        return native.op("prerouter_head", self.options.cache_dir), native.BEST_ISA
