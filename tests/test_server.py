@@ -135,7 +135,7 @@ class ScriptedEngine(Wrapped):
         return ScriptedScheduler(self, max_active or self.plan.max_active)
 
     def generate(self, prompt, max_tokens, sampling=None):
-        return Generation(self, prompt, max_tokens, sampling or SamplingParams())
+        return self.scheduler(max_active=1).generation(prompt, max_tokens, sampling)
 
 
 class ScriptedScheduler:
@@ -143,7 +143,8 @@ class ScriptedScheduler:
     next token; the turn after its last, it ends ("length" where the script ran on)."""
 
     def __init__(self, fake: ScriptedEngine, max_active: int):
-        self.fake, self.max_active = fake, max_active
+        self.fake = self.engine = fake
+        self.max_active = max_active
         self.prefill_chunk = None
         self.active: list[Sequence] = []
 
@@ -159,6 +160,9 @@ class ScriptedScheduler:
         seq.state = State.DECODING
         self.active.append(seq)
         return seq
+
+    def generation(self, prompt, max_tokens, sampling=None) -> Generation:
+        return Generation(self, self.add(prompt, max_tokens, sampling or SamplingParams()))
 
     def step(self) -> list[Sequence]:
         vocab, touched = self.fake.config.vocab_size, list(self.active)

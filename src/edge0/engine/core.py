@@ -1,4 +1,4 @@
-"""The engine's mechanics: a loaded model, its plan, pool and backend, and one forward at a time.
+"""The engine's mechanics: a loaded model, its plan, pool and backend, one forward at a time.
 
   Engine.new_request(prompt) -> Request  one request's state: its cache (holding the longest
                                          prefix of `prompt` the prefix cache had), its head
@@ -8,13 +8,13 @@
   Engine.prefill_together, step_rows     several requests' prompts, or decode steps, in one
                                          forward, each row with its own state
   Engine.finish(req)                     offer its state to the prefix cache, unpin its experts
-  Engine.generate(prompt, ...)           a Generation over a scheduler of its own
+  Engine.scheduler(), generate(prompt)   a Scheduler of its forwards; a Generation over one
 
-Which forwards run when is the scheduler's (scheduler.py). Requests share the expert pool
-(that is the cache) and, through the prefix cache, copies of the state of tokens they have in
-common, so no output depends on an earlier request. Prefill runs every layer on the
-whole-layer path; at decode, prediction-routed layers run on what was staged for them and the
-rest on the exact path. Shape legend: B requests, T tokens, V vocabulary, D hidden.
+Which forward runs when is the scheduler's (scheduler.py). Requests share the expert pool (the
+cache) and, through the prefix cache, copies of the state of tokens they have in common, so no
+output depends on an earlier request. Prefill runs every layer on the whole-layer path; at
+decode, prediction-routed layers run on what was staged for them, the rest on the exact path.
+Shape legend: B requests, T tokens, V vocabulary, D hidden.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -67,11 +67,13 @@ class Engine:
         prerouter: PrerouterRuntime | None,
         lora_meta: dict[str, str],
         prerouter_meta: dict[str, str],
+        schedulers: Callable,
     ):
         self.model_dir, self.path, self.manifest = model_dir, model_dir.path, model_dir.manifest
         self.options, self.backend, self.model = options, backend, model
         self.plan, self.pool, self.prerouter = plan, pool, prerouter
         self.lora_meta, self.prerouter_meta = lora_meta, prerouter_meta
+        self._schedulers = schedulers  # (engine, **kw) -> a Scheduler
         self.config = model.config
         self.top_k = plan.top_k
         self.moe_layers = model.moe_layers
@@ -296,16 +298,13 @@ class Engine:
 
     def scheduler(self, **kw):
         """A Scheduler of this engine's forwards (its keyword arguments: scheduler.py)."""
-        from edge0.engine.scheduler import Scheduler
-
-        return Scheduler(self, **kw)
+        return self._schedulers(self, **kw)
 
     def generate(self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None):
         """A new request: prefill `prompt` (what the prefix cache does not restore), then
-        sample up to max_tokens. Iterate the result, or advance() it one forward at a time."""
-        from edge0.engine.generation import Generation
-
-        return Generation(self, prompt, max_tokens, sampling or SamplingParams())
+        sample up to max_tokens. A Generation: iterate it, or advance() it one forward at a
+        time. It runs on a scheduler of its own."""
+        return self.scheduler(max_active=1).generation(prompt, max_tokens, sampling)
 
     def close(self) -> None:
         if self.prerouter is not None:

@@ -14,16 +14,15 @@ from collections.abc import Iterator
 
 import torch
 
-from edge0.engine.sampling import SamplingParams
-from edge0.engine.scheduler import Scheduler, Sequence
 from edge0.engine.stats import GenerationStats
 
 
 class Generation:
-    def __init__(self, engine, prompt: list[int], max_tokens: int, sampling: SamplingParams):
-        self.engine, self.prompt, self.max_tokens = engine, prompt, max_tokens
-        self.scheduler: Scheduler = engine.scheduler(max_active=1)
-        self.seq: Sequence = self.scheduler.add(prompt, max_tokens, sampling)
+    """One sequence of a scheduler (Scheduler.generation), run by that scheduler's turns."""
+
+    def __init__(self, scheduler, seq):
+        self.scheduler, self.seq = scheduler, seq
+        self.engine, self.prompt, self.max_tokens = scheduler.engine, seq.prompt, seq.max_tokens
 
     @property
     def tokens(self) -> list[int]:

@@ -17,6 +17,7 @@ from edge0.engine import backends
 from edge0.engine.core import Engine
 from edge0.engine.options import INT4_ACTIVATIONS, EngineOptions
 from edge0.engine.plan import make_plan, model_sizes, open_dir
+from edge0.engine.scheduler import Scheduler
 from edge0.modeldir import EXPERTS_FILE, ModelDir
 from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.store.expert_file import ExpertFile
@@ -86,7 +87,9 @@ def load_engine(path: Path | str | ModelDir, options: EngineOptions | None = Non
             threaded=opts.heads_thread,
             native=backend.heads(),
         )
-    engine = Engine(md, opts, backend, model, plan, pool, prerouter, lora_meta, heads_meta)
+    engine = Engine(
+        md, opts, backend, model, plan, pool, prerouter, lora_meta, heads_meta, Scheduler
+    )
     try:
         if opts.preload and plan.holds_every_expert:
             engine.preload_experts(progress=True)

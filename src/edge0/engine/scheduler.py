@@ -20,17 +20,15 @@ import collections
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from edge0.engine.core import Engine
+from edge0.engine.generation import Generation
 from edge0.engine.request import Request
 from edge0.engine.sampling import Sampler, SamplingParams
 from edge0.engine.stats import EngineStats, GenerationStats
 from edge0.util import memory
-
-if TYPE_CHECKING:  # (the engine makes schedulers: Engine.generate)
-    from edge0.engine.core import Engine
 
 # before the costs were measured: restoring this many tokens beats prefilling them in a batch
 # (built-in model: ~15-25 tokens; a slower forward only moves it up)
@@ -168,6 +166,12 @@ class Scheduler:
         seq = Sequence(prompt, max_tokens, sampling, self.engine.max_context)
         self.waiting.append(seq)
         return seq
+
+    def generation(
+        self, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None
+    ) -> Generation:
+        """A new sequence, as a Generation to iterate (Engine.generate)."""
+        return Generation(self, self.add(prompt, max_tokens, sampling or SamplingParams()))
 
     @property
     def room(self) -> bool:

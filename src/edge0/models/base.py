@@ -89,7 +89,7 @@ class RowsForward(Forward):
     given, computes a layer's experts for all rows at once, as together(the rows' executors,
     x, indices), where every row's executor can `pin` its experts for it. `attend_rows`, if
     given, is the native op that runs the rows' attention in one call (RowCaches); `layers`,
-    the stand-ins for decoder layers that take such a forward's rows (native/layer.py)."""
+    the stand-ins for decoder layers that take such a forward's rows (a backend's layers)."""
 
     def __init__(
         self,

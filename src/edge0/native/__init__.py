@@ -12,7 +12,7 @@ they remove is the Python, the dispatch and the dtype round trips between that p
   torch.ops.edge0.attention_rows    a decode token of each of B sequences (one request's,
                                     or a batched step's rows) through a decoder layer's norm,
                                     GQA attention, residual and post-attention norm
-                                    (decode_ops.cpp; native/layer.py says which layers)
+                                    (decode_ops.cpp; the engine's native_layers.py: which)
   torch.ops.edge0.attend_rows       a batched step's attention alone, row by row in one call
   torch.ops.edge0.router_topk       an MoE block's router and routing.softmax_topk's ATen ops
   torch.ops.edge0.softmax_topk      routing.softmax_topk's ATen ops (decode_ops.cpp)
@@ -30,7 +30,7 @@ arrangement the weights are packed in. `kernel_args(int8=True)` gives the same o
 paths instead (EngineOptions.int4_activations): int8 activation codes, integer dot products,
 the same bits on every path, quant.int4_linear_int8 their reference. The norms add their
 sums in the order ATen's float reduction adds them (as do the weighted sums), whose vector
-width the engine finds by comparing with ATen here (engine/native_layer.py sum_lanes).
+width the engine finds by comparing with ATen here (engine/backends/native_layers.py sum_lanes).
 
 The library is compiled with the system's C++ compiler against the installed torch's
 headers, in a child process, the first time it is needed (`make` set-up does it: `python -m

@@ -14,10 +14,9 @@ experts staged for it.
 Heads run on a thread of their own (one intra-op thread) where a core is left beside the
 intra-op threads, or where torch's heads are large (`threaded_heads`), so the compute thread
 goes on with the next layers while a head evaluates; `flush` waits for them. Other heads on
-a machine whose intra-op threads take every core run on the compute thread: a thread there
-only contends with them (the built-in model's decode step 6.0 ms with one, 5.2 ms without).
-Either
-way a head's reads go to the I/O threads and do not block. An owner that is not itself a
+a machine whose intra-op threads take every core run on the compute thread, where a thread
+would only contend with them (docs/prerouter.md). Either way a head's reads go to the I/O
+threads and do not block. An owner that is not itself a
 consumer (it reads its experts now) stages on the compute thread, so that the room it keeps
 for its own reads is decided before it takes it.
 
@@ -70,12 +69,8 @@ HEADS_THREAD_MIN_BYTES = 2 << 20
 
 def threaded_heads(head_bytes: int, native: bool) -> bool:
     """Whether decode's heads get a thread of their own: where a core is left beside the
-    intra-op threads, or where a torch head is large. Measured on 2 cores with 2 intra-op
-    threads: torch's fp32 heads of the built-in model (744 KiB each) cost more on a thread
-    than inline (prerouter arm 154 -> 168 tok/s inline), the 30B-class shape's (~6 MiB each)
-    saved 16% of the step on one at K=2 under a cap; the native op's heads of the same shape
-    (2.9 MiB) cost more on a thread at K = 2, 4 and 8 (138.8 / 170.6 / 206.2 ms a step
-    against 116.4 / 146.9 / 186.6 inline: docs/prerouter.md), as on the bench shape uncapped."""
+    intra-op threads, or where a torch head is large (small torch heads and the native op's
+    cost more on a thread than inline on 2 cores; docs/prerouter.md has the measurements)."""
     spare = usable_cores() > torch.get_num_threads()
     return spare or (not native and head_bytes >= HEADS_THREAD_MIN_BYTES)
 

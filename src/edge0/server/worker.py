@@ -37,9 +37,8 @@ from edge0.util.threads import ComputeThread
 
 log = logging.getLogger(__name__)
 
-# The longest the thread waits before a forward for requests the server is still receiving
-# (arrivals.py). One arrival takes ~1 ms to reach the worker on an idle server (the built-in
-# model's chat, 2 cores); seven at once, 8-15 ms.
+# The longest the thread waits before a turn for requests the server is still receiving
+# (arrivals.py): a few times what a burst of arrivals takes to reach it (docs/server.md)
 ARRIVAL_WAIT_S = 0.02
 
 CANCELLED = "cancelled"  # the client left

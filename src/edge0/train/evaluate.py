@@ -129,7 +129,7 @@ def int8_activations(model: torch.nn.Module, attention: bool) -> None:
     """Quantize what the engine's int8 kernels take as int8 (`--int4-activations int8`): the
     inputs of every routed expert's projections and, with `attention` (an int4 floor), of
     every Attention's projections (the engine: of the layers its native layer op serves,
-    native/layer.py `servable`). The rest (a shared expert, a dense MLP, the LM head) keeps
+    native_layers.py `servable`). The rest (a shared expert, a dense MLP, the LM head) keeps
     float activations here, as in the other int4 arms; the engine rounds them to bf16."""
     for m in model.modules():
         if isinstance(m, ResidentExperts):

@@ -22,9 +22,8 @@ from edge0.formats.extents import ExpertTensors, ExtentLayout
 from edge0.formats.int4_layout import Int4Layout
 
 # From this many tokens an expert of a prefill is computed on its dequantized weights: the
-# native op decodes a block's weights once per 4 tokens, and on an Intel Xeon model 167 the
-# dense path won from ~200 tokens at D 256, I 128, ~300 at D 1024, I 512 and ~700 at D 2048,
-# I 768 (192 tokens: 3.4 against 5.4 ms, 10.1 against 18.7 ms).
+# native op decodes a block's weights once per 4 tokens, so the dense matmul wins later than
+# against torch's kernel (docs/kernels.md)
 ROWS_DENSE_MIN_TOKENS = 256
 # A batched decode step of at least this many requests computes their experts in one rows()
 # call; below it each row's own token() call is cheaper (the call's fixed cost; kernels.md)
@@ -69,9 +68,8 @@ class NativeBackend(Backend):
 
     def pool_layout(self, stored: ExtentLayout, holds_every_expert: bool) -> ExtentLayout:
         # Decode on the int8 AVX2 or AVX-512 kernel reads experts in their int8 order, put in as
-        # each is read, where the pool holds them all: read once, that costs ~40 us an expert at
-        # load. Under a cap every read would pay it again, on the cores that decode (a 1/3 cap on
-        # the peer bench shape: 0.87x as fast), so there they stay as stored.
+        # each is read, where the pool holds them all: read once, at load. Under a cap every
+        # read would pay it again on the cores that decode (slower: docs/kernels.md).
         host = self.arrangement
         if self.int8 and holds_every_expert and native.int8_order_pays():
             host = host.in_int8_order()
@@ -81,8 +79,8 @@ class NativeBackend(Backend):
         return native.put_in_int8_order
 
     def kernel_pairs(self) -> Callable[[torch.Tensor], None]:
-        # as torch ops the fix-up costs ~85 us an expert of the peer bench shape, on the cores
-        # that decode while a prerouter's reads overlap the step
+        # one native loop: as torch ops the fix-up takes the cores that decode while a
+        # prerouter's reads overlap the step (docs/io.md)
         return native.to_kernel_pairs
 
     def expert_ops(self, arrangement: Int4Layout) -> NativeExperts:
