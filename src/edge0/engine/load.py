@@ -68,8 +68,10 @@ def load_engine(path: Path | str | ModelDir, options: EngineOptions | None = Non
         opts.cache_dir,
         stored=md.stored_int4,
     )
+    own = experts_path == md.experts_path  # (else a relayout copy, with a header of its own)
+    header = (md.experts, md.extent_bytes, md.experts_meta) if own else None
     pool = ExpertPool(
-        ExpertFile(experts_path, opts.io_mode),
+        ExpertFile(experts_path, opts.io_mode, header),
         backend.pool_layout(md.layout, plan.holds_every_expert),
         plan.pool_bytes,
         io_threads=opts.io_threads,

@@ -84,11 +84,12 @@ def read_table(path: Path) -> tuple[dict[int, LayerExtents], int, dict[str, str]
 class ExpertFile:
     """Reads extents of experts.safetensors into caller buffers with one I/O mode."""
 
-    def __init__(self, path: Path, mode: str = "direct"):
+    def __init__(self, path: Path, mode: str = "direct", header: tuple | None = None):
+        """`header`: read_table(path) where the caller has read it already."""
         if mode not in IO_MODES:
             raise ValueError(f"unknown I/O mode {mode!r}; choose one of {', '.join(IO_MODES)}")
         self.path = Path(path)
-        self.table, self.extent_bytes, self.metadata = read_table(self.path)
+        self.table, self.extent_bytes, self.metadata = header or read_table(self.path)
         self.int4 = by_name(self.metadata.get(LAYOUT_KEY, UNRECORDED.name))
         self.mode = mode
         self._map = None
