@@ -15,6 +15,7 @@ import torch
 from edge0 import modeldir
 from edge0.engine.backends import BACKENDS
 from edge0.engine.options import DEFAULT_IO_MODE, INT4_ACTIVATIONS, EngineOptions
+from edge0.formats.integrity import VERIFY_READS
 from edge0.store.expert_file import IO_MODES
 from edge0.store.relayout import POLICIES
 from edge0.util import memory
@@ -180,6 +181,13 @@ def add_engine_args(
         help=argparse.SUPPRESS,
     )
     g.add_argument(
+        "--verify-reads",
+        choices=VERIFY_READS,
+        default=EngineOptions.verify_reads,
+        help="check expert extents against their checksums as they are read: each one's first "
+        "read in the process (first, default), every read (all), or none (off)",
+    )
+    g.add_argument(
         "--int4-activations",
         choices=INT4_ACTIVATIONS,
         default=EngineOptions.int4_activations,
@@ -250,6 +258,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         relayout=args.relayout,
         cache_dir=args.cache_dir,
         backend=args.backend,
+        verify_reads=args.verify_reads,
         int4_activations=args.int4_activations,
         dtype=getattr(torch, args.dtype),
         prerouter=args.prerouter,

@@ -121,6 +121,8 @@ def read_tensors(files: list[Path], qcfg: QuantConfig | None) -> list[Tensor]:
                 Tensor(module, kind_of(module), qt.shape, qt.numel, qt.nbytes, 3, qt.params.bits)
             )
         for key in plain:
+            if key.endswith(".experts.xxh3"):  # an edge0 layer's extent checksums, not weights
+                continue
             info = table[key]
             out.append(Tensor(key, kind_of(key), info.shape, math.prod(info.shape), info.nbytes))
     return out

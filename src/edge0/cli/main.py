@@ -28,6 +28,7 @@ from edge0.cli.bench import add_bench_parser
 from edge0.cli.train import add_eval_parser, add_train_parsers
 from edge0.engine.backends import BackendUnavailable
 from edge0.formats.int4_layout import LAYOUTS
+from edge0.formats.integrity import ModelDataError
 from edge0.util import malloc, memory
 
 log = logging.getLogger("edge0")
@@ -41,6 +42,7 @@ USER_ERRORS = (
     KeyError,
     ImportError,
     BackendUnavailable,  # --backend native where the ops cannot be built
+    ModelDataError,  # a damaged model file (`edge0 verify` says which)
 )
 
 # -- commands ---------------------------------------------------------------------------------
@@ -160,6 +162,14 @@ def add_inspect_parser(sub) -> None:
     p.set_defaults(func=cmd_inspect)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from edge0.modeldir.verify import verify
+
+    report = verify(args.model_dir or default_model_dir(), args.quick, args.cache_dir)
+    print(report.text())
+    return 0 if report.ok else 1
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from edge0.cli.inspect import format_report, inspect_dir
 
@@ -238,6 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(sub)
 
     add_inspect_parser(sub)
+
+    v = sub.add_parser(
+        "verify",
+        help="check a model directory, and this machine's relayout copies of it, against the "
+        "checksums recorded when they were written (exit 1 naming what differs)",
+    )
+    v.add_argument("model_dir", type=Path, nargs="?", default=None)
+    v.add_argument(
+        "--quick", action="store_true", help="headers against edge0.json only (reads no data)"
+    )
+    v.add_argument("--cache-dir", type=Path, default=None, help="where relayout copies are kept")
+    v.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("synth", help="write a random-weight Qwen3-MoE of a given shape")
 

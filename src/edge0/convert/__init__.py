@@ -28,7 +28,6 @@ from edge0.formats.checkpoint import (
     ExpertSource,
     ServedCheckpoint,
     check_dir,
-    sha256_file,
 )
 from edge0.formats.extents import ExtentLayout
 from edge0.formats.writer import StreamingSafetensors
@@ -36,7 +35,7 @@ from edge0.modeldir.loader import build, expert_prefixes
 from edge0.models import int4, load_config
 from edge0.models.experts import ExpertSlot
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
-from edge0.store.expert_file import LAYOUT_KEY, tensor_name
+from edge0.store.expert_file import LAYOUT_KEY, ExtentsWriter
 from edge0.util import memory
 
 log = logging.getLogger(__name__)
@@ -187,7 +186,7 @@ def write_model_dir(
             source=source or {"path": str(src.resolve()), "files": ckpt.hashes()},
             resident=resident,
         )
-        manifest.files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest.hash_files(tmp)
         manifest.save(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -285,9 +284,6 @@ def _write_experts(
     cfg, sources: dict[int, ExpertSource], layout: ExtentLayout, path: Path, progress: bool
 ) -> dict[int, dict[str, int]]:
     d, i = cfg.hidden_size, cfg.moe_intermediate_size
-    specs = [
-        (tensor_name(layer), torch.uint8, (cfg.num_experts, layout.nbytes)) for layer in sources
-    ]
     meta = {
         "format": "edge0-extents",
         "extent_bytes": str(layout.nbytes),
@@ -295,7 +291,7 @@ def _write_experts(
         "inter": str(i),
         LAYOUT_KEY: layout.int4.name,
     }
-    writer = StreamingSafetensors(path, specs, metadata=meta, align=4096)
+    writer = ExtentsWriter(path, {layer: cfg.num_experts for layer in sources}, layout.nbytes, meta)
     table, offset = {}, writer.data_start
     bar = tqdm(
         total=len(sources) * cfg.num_experts,
@@ -306,7 +302,7 @@ def _write_experts(
     for layer, source in sources.items():
         table[layer] = {"offset": offset, "count": cfg.num_experts}
         for e in range(cfg.num_experts):
-            writer.write(tensor_name(layer), source.extent(e, layout)[None])
+            writer.write(layer, source.extent(e, layout)[None])
             bar.update(1)
         source.release()
         offset += cfg.num_experts * layout.nbytes

@@ -19,7 +19,6 @@ from tqdm import tqdm
 
 from edge0 import modeldir
 from edge0.formats import int4_layout
-from edge0.formats.checkpoint import sha256_file
 from edge0.formats.extents import ExtentLayout
 from edge0.formats.format import INT4
 from edge0.formats.writer import StreamingSafetensors
@@ -27,7 +26,7 @@ from edge0.modeldir.loader import build
 from edge0.models import int4, qwen3_moe
 from edge0.models.experts import ExpertSlot
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
-from edge0.store.expert_file import LAYOUT_KEY, tensor_name
+from edge0.store.expert_file import LAYOUT_KEY, ExtentsWriter
 
 STD = 0.02  # HF initializer_range
 # With every weight at STD, random layers push all tokens' hidden states towards one shared
@@ -164,18 +163,11 @@ def synth(
         else:
             w.write(name, value)
     w.close()
-    ew = StreamingSafetensors(
+    ew = ExtentsWriter(
         out / EXPERTS_FILE,
-        [
-            (tensor_name(i), torch.uint8, (shape.experts, layout.nbytes))
-            for i in range(shape.layers)
-        ],
-        metadata={
-            "format": "edge0-extents",
-            "random_weights": "true",
-            LAYOUT_KEY: layout.int4.name,
-        },
-        align=4096,
+        {i: shape.experts for i in range(shape.layers)},
+        layout.nbytes,
+        {"format": "edge0-extents", "random_weights": "true", LAYOUT_KEY: layout.int4.name},
     )
     table, offset = {}, ew.data_start
     for i in tqdm(
@@ -183,7 +175,7 @@ def synth(
     ):
         table[i] = {"offset": offset, "count": shape.experts}
         for _ in range(shape.experts):
-            ew.write(tensor_name(i), random_extent(layout, gen)[None])
+            ew.write(i, random_extent(layout, gen)[None])
         offset += shape.experts * layout.nbytes
     ew.close()
     manifest = modeldir.Manifest.new(
@@ -195,7 +187,7 @@ def synth(
         source={"random_weights": True, "seed": seed},
         resident=resident,
     )
-    manifest.files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
+    manifest.hash_files(out)
     manifest.save(out)
     return out
 

@@ -77,6 +77,7 @@ def load_engine(path: Path | str | ModelDir, options: EngineOptions | None = Non
         io_threads=opts.io_threads,
         reorder=backend.reorder(),
         kernel_pairs=backend.kernel_pairs(),
+        verify=opts.verify_reads,
     )
     prerouter = None
     if heads is not None:

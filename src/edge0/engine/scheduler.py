@@ -28,6 +28,7 @@ from edge0.engine.generation import Generation
 from edge0.engine.request import Request
 from edge0.engine.sampling import Sampler, SamplingParams
 from edge0.engine.stats import EngineStats, GenerationStats
+from edge0.formats.integrity import ModelDataError
 from edge0.util import memory
 
 # before the costs were measured: restoring this many tokens beats prefilling them in a batch
@@ -36,6 +37,11 @@ REUSE_TOKENS = 64
 # a prefill forward of at most this many tokens is a short one: the cost of the forward a
 # restored prompt's rest needs (its last 2 tokens, and a chat's new turn)
 SHORT_PREFILL = 32
+
+
+class NonFiniteLogits(ModelDataError):
+    """A forward gave NaN or Inf logits: sampling from them would be noise (or, by argmax of
+    NaNs, token 0, an end of text), so the request fails and names the likely cause."""
 
 
 class State(enum.Enum):
@@ -309,6 +315,12 @@ class Scheduler:
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         """seq's next token from the logits [V] its forward gave: it ends at an end-of-text
         token ("stop") or its max_tokens ("length"), else it decodes that token next."""
+        if not bool(torch.isfinite(logits).all()):  # never an end-of-text drawn from NaNs
+            raise NonFiniteLogits(
+                f"the model computed non-finite logits (NaN or Inf) for token "
+                f"{len(seq.tokens) + 1} of this request: its weights are likely damaged; run "
+                "`edge0 verify` on the model directory"
+            )
         if seq.state is State.PREFILLING:
             seq._clock.mid = self.engine.stats()
             seq.state = State.DECODING

@@ -68,6 +68,7 @@ DTYPES = {
     "U8": torch.uint8,
     "U16": torch.uint16,
     "U32": torch.uint32,
+    "U64": torch.uint64,
     "BOOL": torch.bool,
 }
 

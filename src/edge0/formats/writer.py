@@ -23,6 +23,7 @@ DTYPES = {
     torch.int64: "I64",
     torch.uint32: "U32",
     torch.int8: "I8",
+    torch.uint64: "U64",
 }
 
 

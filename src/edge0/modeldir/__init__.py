@@ -22,14 +22,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from edge0.formats.checkpoint import TensorInfo, check_dir, read_header, read_json
+from edge0.formats.checkpoint import TensorInfo, check_dir, read_header, read_json, sha256_file
 from edge0.formats.extents import ExtentLayout
 from edge0.formats.format import INT4
 from edge0.formats.int4_layout import UNRECORDED, Int4Layout, by_name
+from edge0.formats.integrity import ModelDataError, file_checksum, hex64
 from edge0.models import int4, load_config
 from edge0.models.experts import ExpertSlot
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
-from edge0.store.expert_file import LAYOUT_KEY, read_table
+from edge0.store.expert_file import LAYOUT_KEY, LayerExtents, read_table
+from edge0.util.fs import write_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "edge0.json"
@@ -52,6 +54,9 @@ class Manifest:
     served_top_k: int | None = None  # experts per token served by default (None: native)
     # experts staged per prediction-routed layer by default (None: the served K)
     served_stage_width: int | None = None
+    # xxh3-64 of every file but the experts (whose extents carry their own): checked as the
+    # resident and adapter files are loaded (formats/integrity.py); none before it was recorded
+    checksums: dict = field(default_factory=dict)
 
     @classmethod
     def new(
@@ -124,8 +129,63 @@ class Manifest:
         base = {k: v for k, v in self.files.items() if k in (RESIDENT_FILE, EXPERTS_FILE)}
         return hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()
 
+    def hash_files(self, path: Path, names: list[str] | None = None) -> None:
+        """Record the SHA-256 (and, but for the experts, the xxh3-64) of `names` in directory
+        `path`, every file but the manifest when None."""
+        if names is None:
+            names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST)
+        for name in names:
+            self.files[name] = sha256_file(path / name)
+            if name != EXPERTS_FILE:
+                self.checksums[name] = hex64(file_checksum(path / name))
+        self.files = dict(sorted(self.files.items()))
+        self.checksums = dict(sorted(self.checksums.items()))
+
     def save(self, path: Path) -> None:
-        (path / MANIFEST).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        """Write edge0.json atomically: a kill leaves the old manifest or the new one."""
+        write_atomic(path / MANIFEST, (json.dumps(asdict(self), indent=2) + "\n").encode())
+
+    def check_file(self, path: Path) -> None:
+        """ModelDataError if a file's bytes differ from its recorded xxh3-64 (none recorded:
+        nothing to check)."""
+        want = self.checksums.get(path.name)
+        if want is not None and hex64(file_checksum(path)) != want:
+            raise ModelDataError(
+                f"{path}: does not match the checksum edge0.json records (the file is damaged "
+                "or was replaced); run `edge0 verify` on the model directory"
+            )
+
+
+def experts_header_problems(
+    manifest: Manifest, table: dict[int, LayerExtents], extent_bytes: int
+) -> list[str]:
+    """How an experts file's header differs from edge0.json: the extent size, and each
+    layer's offset and count where recorded."""
+    out = []
+    want = manifest.layout().nbytes
+    if extent_bytes != want:
+        out.append(f"extent size {extent_bytes}, edge0.json {want}")
+    for key, rec in manifest.experts.get("layers", {}).items():
+        got = table.get(int(key))
+        if got is None or (got.offset, got.count) != (rec["offset"], rec["count"]):
+            found = "absent" if got is None else f"at offset {got.offset}, {got.count} experts"
+            out.append(
+                f"layer {key}'s extents {found}; edge0.json: offset {rec['offset']}, "
+                f"{rec['count']} experts"
+            )
+    return out
+
+
+def record_file(model_dir: Path, path: Path) -> None:
+    """After writing `path` (an adapter a training phase saved): if it is a file of the edge0
+    directory `model_dir`, edge0.json records its hashes, so `edge0 verify` and loading check
+    the new bytes."""
+    path, model_dir = Path(path).resolve(), Path(model_dir).resolve()
+    if path.parent != model_dir or not (model_dir / MANIFEST).is_file():
+        return
+    manifest = Manifest.load(model_dir)
+    manifest.hash_files(model_dir, [path.name])
+    manifest.save(model_dir)
 
 
 def base_hash(path: Path | str) -> str:
@@ -196,11 +256,7 @@ class ModelDir:
         self.resident = Header.read(resident)
         self.experts_path = path / EXPERTS_FILE
         self.experts, self.extent_bytes, self.experts_meta = read_table(self.experts_path)
-        if self.extent_bytes != self.layout.nbytes:
-            raise ValueError(
-                f"{self.experts_path}: extent size {self.extent_bytes} != edge0.json "
-                f"{self.layout.nbytes}"
-            )
+        self._check_experts_header()
         found = (
             _served(lora, path / LORA_FILE, no_lora),
             _served(prerouter, path / PREROUTER_FILE, no_prerouter),
@@ -214,6 +270,16 @@ class ModelDir:
     @property
     def layout(self) -> ExtentLayout:
         return self.manifest.layout()
+
+    def _check_experts_header(self) -> None:
+        """The experts file's header against edge0.json (two layers' names swapped in the
+        header, say, would serve one layer's experts for the other's)."""
+        problems = experts_header_problems(self.manifest, self.experts, self.extent_bytes)
+        if problems:
+            raise ModelDataError(
+                f"{self.experts_path}: {problems[0]}: the header is damaged or from another "
+                "model; run `edge0 verify` on the model directory"
+            )
 
     @property
     def stored_int4(self) -> Int4Layout:
@@ -262,7 +328,13 @@ class ModelDir:
                 f"{self.resident.path}: unreadable safetensors file ({e}); is it truncated?"
             ) from e
         self.bytes_read += self.resident.nbytes
+        self.manifest.check_file(self.resident.path)  # (its pages are in the cache now)
         return state
+
+    def _check_own(self, path: Path) -> None:
+        """An adapter file of this directory against its recorded checksum."""
+        if path.resolve().parent == self.path.resolve():
+            self.manifest.check_file(path)
 
     def load_lora(self, model: nn.Module, allow_other_base: bool = False) -> dict[str, str]:
         """Attach the served LoRA to `model` (none: {}); its metadata."""
@@ -270,6 +342,7 @@ class ModelDir:
 
         if self.lora is None:
             return {}
+        self._check_own(self.lora.path)
         meta = lora.load(model, self.lora.path, self.base_hash, allow_other_base)
         self.bytes_read += self.lora.nbytes
         return meta
@@ -280,6 +353,7 @@ class ModelDir:
 
         if self.heads is None:
             return None, {}
+        self._check_own(self.heads.path)
         cfg = self.config
         pre, meta = Prerouter.load(
             self.heads.path, cfg.hidden_size, cfg.num_experts, moe_layers, dtype

@@ -32,6 +32,7 @@ import torch
 from edge0.formats import quant
 from edge0.formats.extents import ExpertTensors, ExtentLayout
 from edge0.formats.int4_layout import Int4Layout
+from edge0.formats.integrity import VERIFY_READS, checksum
 from edge0.store.expert_file import ExpertFile
 from edge0.util.threads import single_threaded_pool
 
@@ -106,14 +107,21 @@ class ExpertPool:
         io_threads: int = 4,
         reorder: Callable[[torch.Tensor, Int4Layout], None] | None = None,
         kernel_pairs: Callable[[torch.Tensor], None] = quant.to_kernel_pairs,
+        verify: str = "first",
     ):
         if layout.nbytes != file.extent_bytes:
             raise ValueError(
                 f"{file.path}: extents are {file.extent_bytes} bytes, "
                 f"layout expects {layout.nbytes}"
             )
+        if verify not in VERIFY_READS:
+            raise ValueError(f"verify_reads must be one of {', '.join(VERIFY_READS)}: {verify!r}")
         self.file = file
         self.layout = layout
+        # each read's bytes against the extent's checksum: every read, or only an extent's first
+        # in this process (a damaged file is found the first time an expert is used), or never
+        self._verify = verify if file.sums is not None else "off"
+        self._verified: set[tuple[int, int]] = set()
         self._reorder = reorder  # a layout in the int8 order: ExtentLayout.finalize
         self._kernel_pairs = kernel_pairs
         self.extent_bytes = layout.nbytes
@@ -313,6 +321,8 @@ class ExpertPool:
             t0 = time.perf_counter_ns()
             got = self.file.read_run(layer, run[0].key[1], [self._views[en.slot] for en in run])
             dt = time.perf_counter_ns() - t0
+            if self._verify != "off":
+                self._check(run)
             for en in run:
                 self.layout.finalize_views(
                     en.tensors, self.file.int4, self._reorder, self._kernel_pairs
@@ -332,6 +342,18 @@ class ExpertPool:
                     en.failed = True
             for en in run:
                 en.future.set_exception(exc)
+
+    def _check(self, run: list[Entry]) -> None:
+        """The run's extents as read against their checksums (ModelDataError naming the first
+        that differs); with verify "first", only those not checked before in this process."""
+        sums = self.file.sums
+        for en in run:
+            if self._verify == "first" and en.key in self._verified:
+                continue
+            layer, expert = en.key
+            if checksum(self._views[en.slot]) != int(sums[layer][expert]):
+                raise self.file.damaged(layer, expert)
+            self._verified.add(en.key)
 
     def wait(self, entries: Sequence[Entry]) -> list[ExpertTensors]:
         """Block until every entry is loaded; the time spent blocked is counted."""

@@ -22,16 +22,21 @@ import torch
 from tqdm import tqdm
 
 from edge0.formats.checkpoint import sha256_file
-from edge0.formats.extents import ALIGN, ExtentLayout
+from edge0.formats.extents import ExtentLayout
 from edge0.formats.int4_layout import UNRECORDED, Int4Layout, by_name
-from edge0.formats.writer import StreamingSafetensors
-from edge0.store.expert_file import FILE_NAME, LAYOUT_KEY, ExpertFile, read_table, tensor_name
+from edge0.store.expert_file import (
+    FILE_NAME,
+    LAYOUT_KEY,
+    SOURCE_KEY,
+    ExpertFile,
+    ExtentsWriter,
+    read_table,
+)
 from edge0.util.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("cache", "on-read")
-SOURCE_KEY = "source_sha256"  # header metadata of a copy: the file it was repacked from
 CHUNK_BYTES = 64 << 20  # extents repacked per read while copying
 
 
@@ -104,6 +109,7 @@ def _is_copy_of(dst: Path, src: Path, sha: str, host: Int4Layout) -> bool:
         and meta.get(SOURCE_KEY) == sha
         and extent_bytes == src_extent
         and {k: v.count for k, v in table.items()} == {k: v.count for k, v in src_table.items()}
+        and all(v.sums is not None for v in table.values())  # (copies before checksums: again)
     )
 
 
@@ -120,10 +126,9 @@ def _write_copy(src: Path, dst: Path, layout: ExtentLayout, sha: str, host: Int4
     t0 = time.perf_counter()
     log.info("writing a %s copy of %s to %s", host.name, src, dst)
     layers = sorted(table)
-    specs = [(tensor_name(i), torch.uint8, (table[i].count, extent_bytes)) for i in layers]
     metadata = meta | {LAYOUT_KEY: host.name, SOURCE_KEY: sha}
     tmp = dst.with_name(f"{dst.name}.{os.getpid()}")  # a concurrent builder has its own
-    writer = StreamingSafetensors(tmp, specs, metadata=metadata, align=ALIGN)
+    writer = ExtentsWriter(tmp, {i: table[i].count for i in layers}, extent_bytes, metadata)
     reader = ExpertFile(src, "buffered")
     per_read = max(1, CHUNK_BYTES // extent_bytes)
     bufs = torch.empty(per_read, extent_bytes, dtype=torch.uint8)
@@ -141,7 +146,7 @@ def _write_copy(src: Path, dst: Path, layout: ExtentLayout, sha: str, host: Int4
                 reader.read_run(i, first, views[:n])
                 for e in range(n):
                     layout.relayout_codes(layout.views(bufs[e]), layout.int4, host)
-                writer.write(tensor_name(i), bufs[:n])
+                writer.write(i, bufs[:n])
                 bar.update(n)
         writer.close()
         os.replace(tmp, dst)

@@ -207,6 +207,7 @@ def train_heads(
             "seed": str(cfg.seed),
         }
         pre.save(out, meta)
+        modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
     report["pool_bytes"], report["experts_bytes"] = plan.pool_bytes, plan.experts_bytes
     report["peak_anon_bytes"], report["peak_file_bytes"] = peaks.peak_anon, peaks.peak_file
     (run / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from edge0 import modeldir
 from edge0.engine.sampling import SamplingParams
 from edge0.models import lora
 from edge0.text.tokenizer import load_tokenizer
@@ -127,4 +128,5 @@ def train_opd(
         "teacher_topk": str(cfg.teacher_topk),
     }
     lora.save(student.model, out, meta)
+    modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
     return {"steps": cfg.steps, "final_loss": runlog.entries[-1]["loss"]}

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from edge0 import modeldir
 from edge0.engine.sampling import SamplingParams
 from edge0.models import lora
 from edge0.text.tokenizer import load_tokenizer
@@ -190,6 +191,7 @@ def train_sft(
         "source": cfg.source,
     }
     lora.save(student.model, out, meta)
+    modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
     return {
         "steps": cfg.steps,
         "final_loss": runlog.entries[-1]["loss"],

@@ -1,0 +1,246 @@
+"""Nothing silent: a damaged model file is a named error, from `edge0 verify`, at load and on
+read, never an exit 0 with empty or garbage text.
+
+Each case damages a fresh copy of a tiny converted model the way a careless disk would: a
+byte of an expert's codes, the high byte of one of its bf16 scales, a page of zeros, a byte of
+the resident weights, two layers' names swapped in a header, a byte of a relayout copy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from edge0.convert import convert
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
+from edge0.engine.sampling import SamplingParams
+from edge0.engine.scheduler import NonFiniteLogits
+from edge0.formats.int4_layout import LAYOUTS, host_layout
+from edge0.formats.integrity import ModelDataError
+from edge0.modeldir import Manifest
+from edge0.modeldir.verify import verify
+from edge0.store.expert_file import read_table, tensor_name
+from helpers import make_hf_model
+
+pytestmark = pytest.mark.int4
+
+GREEDY = SamplingParams(temperature=0)
+LAYER, EXPERT = 1, 5
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("integrity")
+    make_hf_model(tmp / "hf", scale=4.0)
+    convert(tmp / "hf", tmp / "e0", progress=False)
+    return tmp / "e0"
+
+
+@pytest.fixture
+def model(pristine, tmp_path):
+    out = tmp_path / "model"
+    shutil.copytree(pristine, out)
+    return out
+
+
+def generate(path, **opts) -> list[int]:
+    engine = load_engine(path, EngineOptions(io_mode="buffered", **opts))
+    try:
+        ids = engine.tokenizer.encode("def add(a, b):")
+        return engine.generate(ids, 8, GREEDY).drain().tokens
+    finally:
+        engine.close()
+
+
+def extent_at(path, layer: int, expert: int) -> int:
+    table, size, _ = read_table(path / "experts.safetensors")
+    return table[layer].offset + expert * size
+
+
+def poke(path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ 0xFF]))
+
+
+def test_a_pristine_model_verifies_and_every_extent_has_a_checksum(model):
+    report = verify(model, progress=False)
+    assert report.ok, report.text()
+    assert any("against their checksums" in c for c in report.checked)
+    assert not report.notes  # nothing it could check only whole
+    assert verify(model, quick=True, progress=False).ok
+
+
+def damaged_extent(model, how: str) -> None:
+    layout = Manifest.load(model).layout()
+    start = extent_at(model, LAYER, EXPERT)
+    if how == "code byte":
+        flip(model / "experts.safetensors", start + layout.fields["w13"][2] + 7)
+    elif how == "scale byte":  # the high byte of a bf16 scale: a huge or NaN weight
+        poke(model / "experts.safetensors", start + layout.fields["p13"][2] + 1, b"\x7f")
+    elif how == "zeroed page":
+        poke(model / "experts.safetensors", start + 4096, bytes(4096))
+
+
+@pytest.mark.parametrize("how", ["code byte", "scale byte", "zeroed page"])
+def test_a_damaged_extent_is_named_by_verify_and_on_read(model, how):
+    damaged_extent(model, how)
+    report = verify(model, progress=False)
+    assert not report.ok
+    assert any(f"layer {LAYER} expert {EXPERT} does not match" in p for p in report.problems)
+    assert len(report.problems) == 1, report.problems
+    # every expert is read at load (the pool holds them all): the damage is found there
+    with pytest.raises(ModelDataError, match=f"layer {LAYER} expert {EXPERT} does not match"):
+        generate(model)
+    # read as routed instead: found on the first read of that expert, whoever routes to it
+    engine = load_engine(model, EngineOptions(io_mode="buffered", preload=False))
+    try:
+        with pytest.raises(ModelDataError, match=f"expert {EXPERT} does not match"):
+            engine.pool.wait(engine.pool.request(LAYER, [EXPERT]))
+        # not quietly read again: the next read fails the same way
+        with pytest.raises(ModelDataError):
+            engine.pool.wait(engine.pool.request(LAYER, [EXPERT]))
+        assert engine.pool.available() == engine.pool.num_slots
+    finally:
+        engine.close()
+
+
+def test_checked_reads_can_be_every_read_or_none(model):
+    damaged_extent(model, "code byte")
+    engine = load_engine(model, EngineOptions(io_mode="buffered", verify_reads="off"))
+    engine.close()  # off: loads, nothing checked
+    with pytest.raises(ValueError, match="verify_reads must be one of first, all, off"):
+        load_engine(model, EngineOptions(verify_reads="sometimes"))
+
+
+def test_a_damaged_resident_file_is_named_by_verify_and_at_load(model):
+    table, _ = _resident_header(model)
+    name = next(k for k in table if k.endswith("norm.weight"))
+    flip(model / "model.safetensors", table[name] + 1)
+    report = verify(model, progress=False)
+    assert report.problems == [
+        f"{model / 'model.safetensors'}: its SHA-256 differs from the one edge0.json records"
+    ]
+    with pytest.raises(ModelDataError, match="model.safetensors: does not match the checksum"):
+        generate(model)
+
+
+def _resident_header(model) -> tuple[dict[str, int], int]:
+    """Each resident tensor's absolute data offset, and the header's length."""
+    with open(model / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items()}, n
+
+
+def swap_in_header(path, a: str, b: str) -> None:
+    """Swap two tensor names in a safetensors header (same length, so nothing moves)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    text = raw[8 : 8 + n].decode()
+    assert len(a) == len(b) and a in text and b in text
+    text = text.replace(a, "\0").replace(b, a).replace("\0", b)
+    path.write_bytes(raw[:8] + text.encode() + raw[8 + n :])
+
+
+def test_two_layers_swapped_in_the_experts_header_are_named(model):
+    swap_in_header(model / "experts.safetensors", tensor_name(0), tensor_name(2))
+    quick = verify(model, quick=True, progress=False)
+    assert any("layer 0's extents at offset" in p for p in quick.problems), quick.problems
+    with pytest.raises(ModelDataError, match="the header is damaged"):
+        generate(model)
+
+
+def test_two_layers_swapped_in_the_resident_header_are_named(model):
+    a, b = "model.layers.0.input_layernorm.weight", "model.layers.2.input_layernorm.weight"
+    swap_in_header(model / "model.safetensors", a, b)
+    assert not verify(model, progress=False).ok
+    with pytest.raises(ModelDataError, match="model.safetensors: does not match"):
+        generate(model)
+
+
+def test_a_damaged_relayout_copy_is_named_removed_and_rebuilt(pristine, tmp_path):
+    other = next(name for name in LAYOUTS if name != host_layout().name)
+    model = tmp_path / "other"
+    convert(pristine.parent / "hf", model, progress=False, int4=other)
+    cache = tmp_path / "cache"
+    want = generate(model, cache_dir=cache)
+    (copy,) = (cache / "relayout").iterdir()
+    assert verify(model, cache_dir=cache, progress=False).ok
+    table, size, _ = read_table(copy)
+    flip(copy, table[LAYER].offset + EXPERT * size + 100)
+    report = verify(model, cache_dir=cache, progress=False)
+    assert report.problems == [f"{copy}: layer {LAYER} expert {EXPERT} does not match its checksum"]
+    with pytest.raises(ModelDataError, match="relayout copy does not match .* removed"):
+        generate(model, cache_dir=cache)
+    assert not copy.exists()
+    assert generate(model, cache_dir=cache) == want  # written again, and right
+    assert verify(model, cache_dir=cache, progress=False).ok
+
+
+def test_non_finite_logits_are_a_named_error_never_an_end_of_text(model):
+    """Weights that hold a NaN where no checksum looks (here the final norm, changed in
+    memory after load): the logits are NaN, and the request fails naming the likely cause
+    instead of sampling token 0, the end of text."""
+    engine = load_engine(model, EngineOptions(io_mode="buffered"))
+    try:
+        with torch.no_grad():
+            engine.model.backbone.norm.weight[3] = float("nan")
+        gen = engine.generate(engine.tokenizer.encode("def add(a, b):"), 8, GREEDY)
+        with pytest.raises(NonFiniteLogits, match="non-finite logits .*`edge0 verify`"):
+            gen.drain()
+        assert gen.tokens == []
+        assert engine.pool.available() == engine.pool.num_slots
+    finally:
+        engine.close()
+
+
+def test_the_cli_says_what_is_damaged_and_exits_non_zero(model):
+    damaged_extent(model, "scale byte")
+    cmd = [sys.executable, "-m", "edge0"]
+    out = subprocess.run(cmd + ["verify", str(model)], capture_output=True, text=True)
+    assert out.returncode == 1 and f"layer {LAYER} expert {EXPERT}" in out.stdout, out.stdout
+    gen = cmd + ["generate", str(model), "--prompt", "def", "--max-tokens", "4"]
+    out = subprocess.run(gen, capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert f"edge0: error: {model}" in out.stderr and "edge0 verify" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_the_server_answers_a_damaged_expert_with_a_500_and_stays_up(model):
+    import httpx
+
+    from edge0.server.app import ServerOptions, create_app
+    from test_server import live_server
+
+    table, size, _ = read_table(model / "experts.safetensors")
+    poke(model / "experts.safetensors", table[LAYER].offset, bytes(size * table[LAYER].count))
+    engine = load_engine(model, EngineOptions(io_mode="buffered", preload=False))
+    try:
+        with live_server(create_app(engine, ServerOptions(model_name="tiny"))) as url:
+            body = {"prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0}
+            for _ in range(2):  # each time: the expert is read again and found damaged again
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                assert r.status_code == 500, r.text
+                err = r.json()["error"]
+                assert err["type"] == "server_error" and f"layer {LAYER} expert" in err["message"]
+                assert "edge0 verify" in err["message"]
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        engine.close()
