@@ -29,7 +29,6 @@ from edge0.modeldir.verify import verify
 from edge0.store.expert_file import read_table, tensor_name
 from helpers import make_hf_model
 
-pytestmark = pytest.mark.int4
 
 GREEDY = SamplingParams(temperature=0)
 LAYER, EXPERT = 1, 5

@@ -37,6 +37,7 @@ from edge0.models.experts import ExpertSlot
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import LAYOUT_KEY, ExtentsWriter
 from edge0.util import memory
+from edge0.util.fs import recover_dir, replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ def _convert(hf_dir, out_dir, force, progress, int4, resident) -> ConvertReport:
 
 def check_out_dir(out_dir: Path | str, force: bool) -> Path:
     out = Path(out_dir)
+    recover_dir(out)  # a replacement killed between its renames: the old model back first
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
     return out
@@ -188,9 +190,7 @@ def write_model_dir(
         )
         manifest.hash_files(tmp)
         manifest.save(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        replace_dir(tmp, out)  # a kill at any moment leaves the old model or the new one
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -11,11 +11,14 @@ little space), extents are repacked as they are read instead, and a warning says
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,6 +35,7 @@ from edge0.store.expert_file import (
     ExtentsWriter,
     read_table,
 )
+from edge0.util.fs import fsync_dir
 from edge0.util.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -78,10 +82,15 @@ def experts_for_host(
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     sha = sha256 or sha256_file(src)
     dst = root / "relayout" / f"{sha[:32]}-{host.name}.safetensors"
+    if dst.parent.is_dir():
+        remove_orphans(dst.parent)
     if _is_copy_of(dst, src, sha, host):
         return dst
     try:
-        _write_copy(src, dst, layout, sha, host)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(dst):  # a second process making the same copy waits, then uses it
+            if not _is_copy_of(dst, src, sha, host):
+                _write_copy(src, dst, layout, sha, host)
     except OSError as e:
         log.warning(
             "cannot write a %s copy of %s under %s (%s); repacking each expert as it is read, "
@@ -93,6 +102,40 @@ def experts_for_host(
         )
         return src
     return dst
+
+
+@contextlib.contextmanager
+def _locked(dst: Path) -> Iterator[None]:
+    """An exclusive lock (fcntl) on `dst`'s lock file while it is checked and written."""
+    with open(dst.with_name(dst.name + ".lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def remove_orphans(folder: Path) -> list[Path]:
+    """Remove the files a killed copy left (`NAME.PID`, `NAME.PID.partial`) whose writer is
+    gone; returns them."""
+    removed = []
+    for p in folder.glob("*.safetensors.*"):
+        pid = p.name.removesuffix(".partial").rsplit(".", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+            log.info("removed %s, left by a copy that did not finish", p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _is_copy_of(dst: Path, src: Path, sha: str, host: Int4Layout) -> bool:
@@ -150,6 +193,7 @@ def _write_copy(src: Path, dst: Path, layout: ExtentLayout, sha: str, host: Int4
                 bar.update(n)
         writer.close()
         os.replace(tmp, dst)
+        fsync_dir(dst.parent)
     except BaseException:
         writer.abort()
         tmp.unlink(missing_ok=True)
