@@ -9,6 +9,7 @@ the resident weights, two layers' names swapped in a header, a byte of a relayou
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -28,7 +29,6 @@ from edge0.modeldir import Manifest
 from edge0.modeldir.verify import verify
 from edge0.store.expert_file import read_table, tensor_name
 from helpers import make_hf_model
-
 
 GREEDY = SamplingParams(temperature=0)
 LAYER, EXPERT = 1, 5
@@ -243,3 +243,90 @@ def test_the_server_answers_a_damaged_expert_with_a_500_and_stays_up(model):
             assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     finally:
         engine.close()
+
+
+# -- bad input: a named error, never a traceback, a hang or an allocation first -----------------
+
+
+def edge0_cli(*args, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "edge0", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def set_config(model, **values) -> None:
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | values))
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"num_hidden_layers": 1_000_000}, "num_hidden_layers is 1000000, but model.safetensors"),
+        ({"num_hidden_layers": 300}, "num_hidden_layers is 300, but model.safetensors holds"),
+        ({"hidden_size": "64"}, "hidden_size must be int, got '64'"),
+        ({"rms_norm_eps": 1e30}, "rms_norm_eps must be between 0 and 1"),
+        ({"moe_intermediate_size": 32}, "moe_intermediate_size is 32, but edge0.json"),
+    ],
+    ids=["a million layers", "layers the files lack", "a string size", "eps", "expert width"],
+)
+def test_a_bad_config_is_named_before_anything_is_built(model, values, message):
+    set_config(model, **values)
+    with pytest.raises(ValueError, match=message):
+        load_engine(model, EngineOptions(io_mode="buffered"))
+    out = edge0_cli("generate", model, "--prompt", "def", "--max-tokens", "2")
+    assert out.returncode == 2 and message.split(" is ")[0] in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_special_file_where_a_file_belongs_is_named_not_waited_on(model):
+    (model / "experts.safetensors").unlink()
+    os.mkfifo(model / "experts.safetensors")  # reading it would block until a writer came
+    out = edge0_cli("generate", model, "--prompt", "def", "--max-tokens", "2", timeout=60)
+    assert out.returncode == 2 and "is a FIFO, not a regular file" in out.stderr, out.stderr
+    (model / "experts.safetensors").unlink()
+    (model / "experts.safetensors").mkdir()
+    out = edge0_cli("verify", model)
+    assert out.returncode == 1 and "not a regular file" in out.stdout, out.stdout
+
+
+def test_a_file_that_cannot_be_read_is_one_line_with_its_path(model):
+    """EACCES (root without the capabilities that bypass file modes), a damaged tokenizer."""
+    (model / "model.safetensors").chmod(0o000)
+    no_override = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    no_override += ["--inh-caps=-dac_override,-dac_read_search", sys.executable, "-m", "edge0"]
+    out = subprocess.run(
+        [*no_override, "generate", str(model), "--prompt", "def", "--max-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert f"edge0: error: {model / 'model.safetensors'}: Permission denied" in out.stderr
+    (model / "model.safetensors").chmod(0o644)
+    (model / "tokenizer.json").write_text('{"version": "1.0", "model": {')
+    out = edge0_cli("generate", model, "--prompt", "def", "--max-tokens", "2")
+    assert out.returncode == 2 and "the tokenizer (tokenizer.json" in out.stderr, out.stderr
+    assert "cannot be loaded" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_convert_refuses_a_disk_without_room_before_writing(pristine, tmp_path):
+    """A 64 KiB file system (tmpfs, mounted here) cannot hold the converted model: convert
+    says how much it needs and how much is free, and leaves nothing behind."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)])
+    if mount.returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        out = edge0_cli("convert", pristine.parent / "hf", small / "e0")
+        assert out.returncode == 2, out.stderr
+        assert f"edge0: error: {small}: the converted model needs" in out.stderr
+        assert "are free there" in out.stderr and "Traceback" not in out.stderr
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

@@ -121,8 +121,7 @@ def test_a_relayout_copy_killed_at_any_moment_is_whole_or_absent(hf, tmp_path):
         assert verify(model, cache_dir=cache, progress=False).ok  # a copy there is whole
     assert killed >= KILLS // 2
     subprocess.run(cmd, check=True, capture_output=True)
-    names = sorted(p.name for p in (cache / "relayout").iterdir())
-    assert [n for n in names if not n.endswith(".lock")] == [
-        n for n in names if n.endswith(f"-{host_layout().name}.safetensors")
-    ], names  # the copy, and nothing a killed run left
+    names = [p.name for p in (cache / "relayout").iterdir()]
+    assert len(names) == 1 and names[0].endswith(f"-{host_layout().name}.safetensors"), names
+    # (the copy, and nothing a killed run left)
     assert verify(model, cache_dir=cache, progress=False).ok

@@ -304,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"edge0: error: {with_flags(str(msg))}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file the command needs: one line with the path and the reason
+        if args.debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"edge0: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -9,8 +9,10 @@ OUT_DIR.partial and renamed when complete: an interrupted convert leaves no half
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
 import resource
 import shutil
 import time
@@ -30,6 +32,7 @@ from edge0.formats.checkpoint import (
     check_dir,
 )
 from edge0.formats.extents import ExtentLayout
+from edge0.formats.format import INT4
 from edge0.formats.writer import StreamingSafetensors
 from edge0.modeldir.loader import build, expert_prefixes
 from edge0.models import int4, load_config
@@ -165,9 +168,12 @@ def write_model_dir(
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    keep_fp32 = getattr(fam, "KEEP_FP32", ())
+    need = len(sources) * cfg.num_experts * layout.nbytes
+    need += _resident_bytes(ckpt, keys, keep_fp32, as_int4)
+    _check_free_space(out.parent, need)
     tmp.mkdir(parents=True)
     try:
-        keep_fp32 = getattr(fam, "KEEP_FP32", ())
         resident_bytes = _write_resident(
             ckpt, keys, tmp / modeldir.RESIDENT_FILE, progress, keep_fp32, as_int4
         )
@@ -234,6 +240,32 @@ def _check_resident(
                 f"config.json implies {expected[k]}"
             )
     return list(expected)
+
+
+def _resident_bytes(ckpt, keys: list[str], keep_fp32: tuple[str, ...], as_int4: set[str]) -> int:
+    """What _write_resident writes for these tensors, near enough (headers aside)."""
+    total = 0
+    for k in keys:
+        shape = tuple(ckpt.shape(k))
+        if k in as_int4:
+            total += INT4.held_bytes(*shape)
+        else:
+            total += math.prod(shape) * (4 if k.endswith(keep_fp32) else 2)
+    return total
+
+
+def _check_free_space(folder: Path, need: int) -> None:
+    """OSError (ENOSPC) naming both sizes where `folder`'s file system has less than `need`
+    bytes free: refused before anything is written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise OSError(
+            errno.ENOSPC,
+            f"the converted model needs {memory.format_bytes(need)}, and only "
+            f"{memory.format_bytes(free)} are free there",
+            str(folder),
+        )
 
 
 def _write_resident(

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,30 @@ def is_adapter_file(path: Path) -> bool:
     return path.suffix == ".safetensors" and path.name.startswith(ADAPTER_PREFIXES)
 
 
+def regular_file(path: Path, what: str = "file") -> Path:
+    """`path`, checked to be a regular file: a missing one is FileNotFoundError, a folder, FIFO
+    or device (which would be read as nothing, or block for ever) a ValueError naming it."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing ({what})") from None
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a special file"
+        )
+        raise ValueError(f"{path}: is {kind}, not a regular file ({what})")
+    return path
+
+
 def read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing ({what})")
+    regular_file(path, what)
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -88,6 +110,7 @@ class TensorInfo:
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Tensor table and metadata of one safetensors file, from its header alone."""
+    regular_file(path, "safetensors file")
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))

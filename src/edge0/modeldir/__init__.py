@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
@@ -215,6 +216,9 @@ class Header:
         return sum(t.nbytes for t in self.table.values())
 
 
+_LAYER = re.compile(r"(?:model\.|model\.language_model\.)?layers\.(\d+)\.")
+
+
 def _served(explicit: Path | None, default: Path, off: bool) -> Path | None:
     """The one rule for which adapter file serves: none when switched off, else the one asked
     for (which must exist), else the directory's own if it has one."""
@@ -257,6 +261,7 @@ class ModelDir:
         self.experts_path = path / EXPERTS_FILE
         self.experts, self.extent_bytes, self.experts_meta = read_table(self.experts_path)
         self._check_experts_header()
+        self._check_config()
         found = (
             _served(lora, path / LORA_FILE, no_lora),
             _served(prerouter, path / PREROUTER_FILE, no_prerouter),
@@ -280,6 +285,30 @@ class ModelDir:
                 f"{self.experts_path}: {problems[0]}: the header is damaged or from another "
                 "model; run `edge0 verify` on the model directory"
             )
+
+    def _check_config(self) -> None:
+        """config.json's sizes against the files, before anything is built from them: its
+        layers against the resident weights' (a count of a million would otherwise build a
+        million modules first), its expert shape against edge0.json's."""
+        cfg, ex, where = self.config, self.manifest.experts, self.path / "config.json"
+        layers = {int(m[1]) for k in self.resident.table if (m := _LAYER.match(k))}
+        if layers and cfg.num_hidden_layers != max(layers) + 1:
+            raise ValueError(
+                f"{where}: num_hidden_layers is {cfg.num_hidden_layers}, but "
+                f"{self.resident.path.name} holds layers 0 to {max(layers)}"
+            )
+        for name, want in (
+            ("hidden_size", ex["hidden"]),
+            ("moe_intermediate_size", ex["inter"]),
+            ("num_experts", ex["num_experts"]),
+        ):
+            if getattr(cfg, name) != want:
+                raise ValueError(
+                    f"{where}: {name} is {getattr(cfg, name)}, but edge0.json's experts were "
+                    f"written with {want}"
+                )
+        if any(i not in range(cfg.num_hidden_layers) for i in self.experts):
+            raise ValueError(f"{where}: {self.experts_path.name} holds layers past the model's")
 
     @property
     def stored_int4(self) -> Int4Layout:

@@ -155,4 +155,37 @@ def config_from_dict(cls, raw: dict[str, Any], aliases: dict[str, str] | None = 
     ]
     if missing:
         raise ValueError(f"config.json: missing required field(s) {', '.join(missing)}")
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    for k, v in data.items():
+        if k in names:
+            _check_value(k, v, fields[k])
     return cls(**{k: v for k, v in data.items() if k in names})
+
+
+# the Python types a field's annotation admits, for those config.json can get wrong
+_SCALARS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+MAX_SIZE = 1 << 24  # no size or count of a model comes near this (a typo, or damage, does)
+
+
+def _check_value(name: str, value, annotation) -> None:
+    """A config.json value of the type its field declares (int, float, bool, str, with or
+    without None), a size or count within [0, MAX_SIZE], an epsilon within (0, 1)."""
+    kinds = [k.strip() for k in str(annotation).split("|")]
+    if value is None:
+        if "None" not in kinds:
+            raise ValueError(f"config.json: {name} must be set, not null")
+        return
+    allowed = [_SCALARS[k] for k in kinds if k in _SCALARS]
+    if not allowed or len(allowed) != len([k for k in kinds if k != "None"]):
+        return  # a list, dict or other structure: its family checks it
+    types = tuple(t for a in allowed for t in a)
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        want = " or ".join(k for k in kinds if k != "None")
+        raise ValueError(f"config.json: {name} must be {want}, got {value!r}")
+    if isinstance(value, bool):
+        return
+    if name.endswith("eps") and not 0 < value < 1:
+        raise ValueError(f"config.json: {name} must be between 0 and 1, got {value!r}")
+    if isinstance(value, int) and "int" in kinds and not 0 <= value <= MAX_SIZE:
+        if not name.endswith(("_id", "_token_id", "seed")):
+            raise ValueError(f"config.json: {name} {value} is out of range [0, {MAX_SIZE}]")

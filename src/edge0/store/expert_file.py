@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edge0.formats.checkpoint import regular_file
 from edge0.formats.extents import ALIGN
 from edge0.formats.int4_layout import UNRECORDED, by_name
 from edge0.formats.integrity import CHECKSUM, ModelDataError, checksum, extent_mismatch
@@ -60,6 +61,7 @@ class LayerExtents:
 
 def read_table(path: Path) -> tuple[dict[int, LayerExtents], int, dict[str, str]]:
     """Parse the header: (layer table, extent bytes, metadata). Raises ValueError if malformed."""
+    regular_file(path, "experts file")
     try:
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))

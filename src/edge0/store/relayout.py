@@ -106,8 +106,11 @@ def experts_for_host(
 
 @contextlib.contextmanager
 def _locked(dst: Path) -> Iterator[None]:
-    """An exclusive lock (fcntl) on `dst`'s lock file while it is checked and written."""
-    with open(dst.with_name(dst.name + ".lock"), "a") as f:
+    """An exclusive lock (fcntl) on `dst`'s lock file while it is checked and written (in a
+    folder beside the copies', so that theirs holds only copies)."""
+    locks = dst.parent.parent / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{dst.name}.lock", "a") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield

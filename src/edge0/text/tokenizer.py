@@ -7,12 +7,28 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from edge0.formats.checkpoint import regular_file
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
     path = Path(path)
+    for f in TOKENIZER_FILES:
+        if (path / f).exists():
+            regular_file(path / f, "tokenizer file")
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, vocab.json, ...)")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=False
+        )
+    except Exception as e:  # transformers' and tokenizers' own, of many kinds
+        files = [f for f in TOKENIZER_FILES if (path / f).exists()]
+        raise ValueError(
+            f"{path}: the tokenizer ({', '.join(files)}) cannot be loaded: "
+            f"{type(e).__name__}: {str(e)[:300]}"
+        ) from e
 
 
 def eos_ids(path: Path | str, tokenizer: PreTrainedTokenizerBase) -> set[int]:
