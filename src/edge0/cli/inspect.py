@@ -263,8 +263,9 @@ def predict_memory(
     served_stage_width: int | None = None,
 ) -> dict[str, object]:
     """The engine's serving plan for this model (plan.py), from headers: the floor by part, the
-    pool in whole extents, the staging room; peak = floor + pool (interpreter and allocator
-    overhead excluded). A budget that cannot hold it is reported, not raised."""
+    pool in whole extents, the staging room, and the whole process's peak: runtime (this
+    process's, once it holds what a server imports and the tokenizer) + working memory +
+    floor + pool. A budget that cannot hold it is reported, not raised."""
     state_source = state_bytes(path, raw, 1, options.dtype)[1]
     pre = r.adapters.get("prerouter")
     sizes = ModelSizes(
@@ -281,9 +282,13 @@ def predict_memory(
         head_params=pre.params if pre else 0,
         prediction_routed_layers=_consumers(path, fmt, r.moe_layers) if pre else 0,
         position_limit=config_value(flat_config(raw), "max_position_embeddings", default=None),
+        hidden_size=int(config_value(flat_config(raw), "hidden_size", default=0)),
+        heads=int(config_value(flat_config(raw), "num_attention_heads", default=0)),
     )
+    machine = memory.MachineMemory.now()
+    machine = memory.MachineMemory(serving_runtime(path), None, machine.available)
     try:
-        plan = make_plan(sizes, options)
+        plan = make_plan(sizes, options, machine)
     except ValueError as e:
         return {
             "fits": False,
@@ -293,8 +298,23 @@ def predict_memory(
             "note": str(e),
         }
     out = plan.as_dict()
-    out.update(fits=True, predicted_peak_bytes=plan.total_bytes, state_source=state_source)
+    out.update(fits=True, predicted_peak_bytes=plan.peak_bytes, state_source=state_source)
     return out
+
+
+def serving_runtime(path: Path) -> int:
+    """What a serving process holds before it reads a weight, measured in this one once it
+    has imported what `edge0 serve` imports and loaded the directory's tokenizer (where it
+    has one): Python, torch, the tokenizer and the HTTP server."""
+    import edge0.engine.load  # noqa: F401
+    import edge0.server.app  # noqa: F401
+    from edge0.text.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(path)
+    except (FileNotFoundError, ValueError) as e:
+        log.info("%s: runtime measured without the tokenizer (%s)", path, e)
+    return memory.sample().anon_bytes
 
 
 def int4_resident(path: Path, raw: dict, fmt: str, tensors: list[Tensor]) -> tuple[int, int]:
@@ -391,8 +411,10 @@ def format_report(r: Report) -> str:
             f"{_gib(f['state'])} ({m['state_source']}, {m['max_active']} active) + prefix cache "
             f"{_gib(f['prefix_cache'])}",
             f"    experts on disk {_gib(m['experts_bytes'])}; pool {m['pool_slots']} extents "
-            f"{_gib(m['pool_bytes'])} (staging needs {m['staging_slots']}); predicted peak "
-            f"{_gib(m['predicted_peak_bytes'])}",
+            f"{_gib(m['pool_bytes'])} (staging needs {m['staging_slots']})",
+            f"    predicted peak {_gib(m['predicted_peak_bytes'])} = runtime "
+            f"{_gib(m['runtime'])} + working memory {_gib(m['workspace'])} + floor "
+            f"{_gib(f['total'])} + pool {_gib(m['pool_bytes'])}",
         ]
         lines += [f"    ({note})" for note in m["notes"]]
     elif m:

@@ -47,7 +47,7 @@ from edge0.modeldir import ModelDir
 from edge0.models.base import Forward
 from edge0.prerouter.runtime import PrerouterRuntime, PrerouterStats, flush_rows
 from edge0.store.pool import ExpertPool
-from edge0.text.tokenizer import eos_ids, load_tokenizer
+from edge0.text.tokenizer import eos_ids
 from edge0.util import memory
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Engine:
         self.moe_layers = model.moe_layers
         # some layer keeps a recurrent state (it cannot be cut back or right-padded)
         self.recurrent = model.new_cache(1, device="meta").recurrent
-        self.tokenizer = load_tokenizer(self.path)
+        self.tokenizer = model_dir.tokenizer
         self.eos = eos_ids(self.path, self.tokenizer)
         self.experts = backend.expert_ops(pool.layout.int4)
         self.layers = backend.layers(model)  # decoder layers the backend computes at decode

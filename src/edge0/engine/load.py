@@ -23,6 +23,7 @@ from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.store.expert_file import ExpertFile
 from edge0.store.pool import ExpertPool
 from edge0.store.relayout import experts_for_host
+from edge0.util import memory
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +39,21 @@ def load_engine(path: Path | str | ModelDir, options: EngineOptions | None = Non
         )
     md = path if isinstance(path, ModelDir) else open_dir(path, opts)
     sizes = model_sizes(md)
-    make_plan(sizes, opts)  # refuses a budget before anything is read or built
+    _ = md.tokenizer  # (part of the runtime: loaded before the process is measured)
+    machine = memory.MachineMemory.now()
+    make_plan(sizes, opts, machine)  # refuses a budget before any weight is read or built
     backend = backends.choose(opts)
     opts = replace(opts, backend=backend.name)  # "auto" settled: its heads' bytes are known
     if backend.name == "torch":  # torch's int4 kernel takes bf16 activations
         opts = replace(opts, int4_activations="bf16")
-    plan = make_plan(sizes, opts)
+    plan = make_plan(sizes, opts, machine)
+    log.info(
+        "plan: runtime %s + working memory %s + floor %s + pool %s = peak %s (limit %s)",
+        *(memory.format_bytes(n) for n in (plan.runtime, plan.workspace, plan.floor.total)),
+        memory.format_bytes(plan.pool_bytes),
+        memory.format_bytes(plan.peak_bytes),
+        memory.format_bytes(plan.limit) if plan.limit else "none",
+    )
 
     model = md.load_model(opts.dtype, backend.arrangement)
     if plan.top_k != model.config.num_experts_per_tok:

@@ -23,6 +23,11 @@ from edge0.formats.format import INT4
 from edge0.modeldir import Header, ModelDir
 from edge0.util import memory
 
+# copies of a forward's hidden states [tokens, hidden] alive at its peak (workspace_bytes)
+HIDDEN_COPIES = 10
+# what a serving process allocates as it runs beyond its first forward's working memory: the
+# HTTP server's and the I/O threads' own buffers and heaps (cgroup-measured; docs/format.md)
+SERVING_MARGIN = 16 << 20
 # What a process needs beyond the floor and the pool (torch, the tokenizer, Python, the
 # allocator's retained heap): 0.36 GiB after load and 0.11 GiB more while decoding, measured on
 # the 32-layer 2048-wide synthetic model. A memory cap is turned into a budget by this much.
@@ -46,6 +51,8 @@ class ModelSizes:
     position_limit: int | None = None  # the model's max_position_embeddings, if it has one
     int4_bytes: int = 0  # int4 resident weights as held (models/int4.py), whatever the dtype
     served_stage_width: int | None = None  # the default W edge0.json records (None: K)
+    hidden_size: int = 0  # for the working memory of a forward (workspace_bytes)
+    heads: int = 0  # attention heads, likewise
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,9 @@ class ServingPlan:
     experts_bytes: int  # every routed expert, on disk
     memory_budget: int | None
     notes: list[str] = field(default_factory=list)
+    runtime: int = 0  # what the process held before any weight was read (MachineMemory)
+    workspace: int = 0  # working memory of the largest forward (workspace_bytes)
+    limit: int | None = None  # the memory limit the process runs under (its cgroup's)
 
     @property
     def prerouter(self) -> bool:
@@ -96,11 +106,17 @@ class ServingPlan:
         """What the engine allocates: the floor plus the pool."""
         return self.floor.total + self.pool_bytes
 
+    @property
+    def peak_bytes(self) -> int:
+        """The whole process's predicted peak: runtime, working memory, floor and pool."""
+        return self.runtime + self.workspace + self.total_bytes
+
     def as_dict(self) -> dict:
         out = asdict(self)
         out["floor"]["total"] = self.floor.total
         out["pool_bytes"] = self.pool_bytes
         out["total_bytes"] = self.total_bytes
+        out["peak_bytes"] = self.peak_bytes
         return out
 
 
@@ -118,28 +134,62 @@ def heads_itemsize(options: EngineOptions) -> int:
 
 
 def make_plan(
-    sizes: ModelSizes, options: EngineOptions, mem_available: int | None = None
+    sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemory | None = None
 ) -> ServingPlan:
-    """The plan for serving a model of `sizes` with `options`. Raises ValueError naming the
-    option and the missing bytes when the budget cannot hold the floor and what decode pins.
+    """The plan for serving a model of `sizes` with `options` in a process like `machine`
+    (default: this one, now). Raises ValueError naming the option and the missing bytes when
+    the budget cannot hold the floor and what decode pins, or when the whole process would
+    not fit the memory limit it runs under (its cgroup's): refused up front, never an
+    out-of-memory kill later.
 
     A pool that holds every expert with the heads served is planned again without them
     (unless options.prerouter_always): with nothing to read ahead the heads only cost time,
     and each layer's own router routes exactly (`prerouter` False in the plan)."""
-    if mem_available is None and options.memory_budget is None and options.expert_cache is None:
-        mem_available = memory.mem_available()  # the same free memory for both plans
-    plan = _plan(sizes, options, mem_available)
+    machine = machine or memory.MachineMemory.now()  # the same for both plans
+    plan = _plan(sizes, options, machine)
     if plan.prerouter and plan.holds_every_expert and not options.prerouter_always:
         bare = replace(sizes, head_params=0, prediction_routed_layers=0)
-        plan = _plan(bare, options, mem_available)
+        plan = _plan(bare, options, machine)
         plan.notes.append(
             "the pool holds every expert: no prerouter (each layer's router routes; "
             "prerouter_always serves it anyway)"
         )
+    _check_limit(plan)
     return plan
 
 
-def _plan(sizes: ModelSizes, options: EngineOptions, mem_available: int | None) -> ServingPlan:
+def workspace_bytes(sizes: ModelSizes, options: EngineOptions, context: int, k: int) -> int:
+    """The working memory of the largest forward the plan allows: max_active fresh prompts of
+    prefill_chunk tokens prefilled together (with the batch's own cache, copied out after),
+    or one prompt's chunk attending to a whole context: their hidden states, attention
+    scores and routed outputs, and an expert dequantized for the dense path. The allocator
+    keeps it once used, so it counts for the whole run. Calibrated against cgroup-measured
+    peaks (docs/format.md, Memory)."""
+    batch, chunk = options.max_active, min(options.prefill_chunk, context)
+    tokens = batch * chunk
+    d, item = sizes.hidden_size, 4  # activations are fp32 between the ops
+    hidden = tokens * d * item * HIDDEN_COPIES
+    scores = sizes.heads * chunk * max(batch * chunk, context) * item
+    routed = tokens * k * d * item * 2
+    dense = 2 * sizes.extent_bytes * 8  # an expert's int4 extent dequantized to fp32, twice
+    batch_cache = sizes.state_bytes(chunk, options.dtype) * batch if batch > 1 else 0
+    return hidden + scores + routed + dense + batch_cache + SERVING_MARGIN
+
+
+def _check_limit(plan: ServingPlan) -> None:
+    if plan.limit is None or plan.peak_bytes <= plan.limit:
+        return
+    fmt = memory.format_bytes
+    raise ValueError(
+        f"the process's memory limit (its cgroup's) is {fmt(plan.limit)}, below the predicted "
+        f"peak {fmt(plan.peak_bytes)}: runtime {fmt(plan.runtime)} + working memory "
+        f"{fmt(plan.workspace)} + resident floor {fmt(plan.floor.total)} + expert pool "
+        f"{fmt(plan.pool_bytes)}; {fmt(plan.peak_bytes - plan.limit)} more needed (lower "
+        "memory_budget, expert_cache, max_context or max_active, or raise the limit)"
+    )
+
+
+def _plan(sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemory) -> ServingPlan:
     k = resolve_top_k(options.top_k, sizes.served_top_k, sizes.native_top_k)
     if not 1 <= k <= sizes.experts_per_layer:
         raise ValueError(f"top_k {k} must be between 1 and {sizes.experts_per_layer}")
@@ -184,9 +234,8 @@ def _plan(sizes: ModelSizes, options: EngineOptions, mem_available: int | None) 
         slots, source = options.expert_cache // extent, "expert_cache"
     elif options.memory_budget is not None:
         slots, source = max(0, options.memory_budget - floor.total) // extent, "memory_budget"
-    else:  # everything if it fits in a quarter of what the machine has free
-        free = memory.mem_available() if mem_available is None else mem_available
-        slots, source = max(need, free // 4 // extent), None
+    else:  # everything if it fits in a quarter of what the process may still take
+        slots, source = max(need, machine.available // 4 // extent), None
         notes.append("no budget: every expert if it fits in a quarter of the free memory")
     if slots < need:
         if staging > k:
@@ -220,6 +269,9 @@ def _plan(sizes: ModelSizes, options: EngineOptions, mem_available: int | None) 
         experts_bytes=all_slots * extent,
         memory_budget=options.memory_budget,
         notes=notes,
+        runtime=machine.runtime,
+        workspace=workspace_bytes(sizes, options, context, k),
+        limit=machine.limit,
     )
 
 
@@ -294,6 +346,8 @@ def model_sizes(md: ModelDir) -> ModelSizes:
         head_params=md.heads.params if md.heads else 0,
         prediction_routed_layers=prediction_routed_layers(md.heads, layers) if md.heads else 0,
         position_limit=getattr(model.config, "max_position_embeddings", None),
+        hidden_size=model.config.hidden_size,
+        heads=getattr(model.config, "num_attention_heads", 0),
     )
 
 

@@ -320,6 +320,13 @@ class ModelDir:
         return self.manifest.base_hash()
 
     @cached_property
+    def tokenizer(self):
+        """The directory's tokenizer, loaded once."""
+        from edge0.text.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.path)
+
+    @cached_property
     def skeleton(self) -> nn.Module:
         """The family's model on the meta device: no memory, for its shapes and state sizes."""
         from edge0.modeldir.loader import build

@@ -32,6 +32,36 @@ def available() -> bool:
     return ROOT.is_dir() and os.access(ROOT, os.W_OK)
 
 
+class CappedGroup:
+    """A new memory cgroup (v1) with a limit, removed on exit; `command(cmd)` wraps a command
+    so that it joins the group before it execs."""
+
+    def __init__(self, limit_bytes: int):
+        if not available():
+            raise PermissionError(f"{ROOT} is not writable: memory caps need root and cgroup v1")
+        self.path = ROOT / f"edge0-{uuid.uuid4().hex[:12]}"
+        self.path.mkdir()
+        (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+
+    def command(self, cmd: list[str]) -> list[str]:
+        join = f'echo $$ > {self.path / "cgroup.procs"} && exec "$@"'
+        return ["sh", "-c", join, "edge0-capped", *cmd]
+
+    @property
+    def max_usage_bytes(self) -> int:
+        return int((self.path / "memory.max_usage_in_bytes").read_text())
+
+    @property
+    def failcnt(self) -> int:
+        return int((self.path / "memory.failcnt").read_text())
+
+    def __enter__(self) -> CappedGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        remove_group(self.path)
+
+
 def run_capped(
     cmd: list[str],
     limit_bytes: int,
@@ -39,29 +69,13 @@ def run_capped(
     env: dict[str, str] | None = None,
 ) -> CappedRun:
     """Run cmd with memory.limit_in_bytes = limit_bytes; the group is removed afterwards."""
-    if not available():
-        raise PermissionError(f"{ROOT} is not writable: memory caps need root and cgroup v1")
-    group = ROOT / f"edge0-{uuid.uuid4().hex[:12]}"
-    group.mkdir()
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        wrapper = [
-            "sh",
-            "-c",
-            f'echo $$ > {group / "cgroup.procs"} && exec "$@"',
-            "edge0-capped",
-            *cmd,
-        ]
-        proc = subprocess.run(wrapper, capture_output=True, text=True, timeout=timeout, env=env)
-        return CappedRun(
-            proc.returncode,
-            int((group / "memory.max_usage_in_bytes").read_text()),
-            int((group / "memory.failcnt").read_text()),
-            proc.stdout,
-            proc.stderr,
+    with CappedGroup(limit_bytes) as group:
+        proc = subprocess.run(
+            group.command(cmd), capture_output=True, text=True, timeout=timeout, env=env
         )
-    finally:
-        remove_group(group)
+        return CappedRun(
+            proc.returncode, group.max_usage_bytes, group.failcnt, proc.stdout, proc.stderr
+        )
 
 
 def remove_group(group: Path, tries: int = 100, wait_s: float = 0.02) -> None:

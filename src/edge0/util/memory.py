@@ -18,6 +18,7 @@ import re
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -55,6 +56,93 @@ def sample() -> MemorySample:
                 file = int(line.split()[1]) * 1024
                 break  # RssFile follows RssAnon
     return MemorySample(anon_bytes=anon, file_bytes=file)
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The memory cgroup this process is in: the tightest limit on its way to the root (None:
+    unlimited) and what the group uses now, page cache included."""
+
+    limit: int | None
+    usage: int
+
+
+# cgroup v1 writes "unlimited" as a number near 2^63
+_UNLIMITED = 1 << 62
+
+
+def cgroup_memory(
+    proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> CgroupMemory | None:
+    """This process's memory cgroup, from `proc` (its /proc/self/cgroup) and the cgroup file
+    systems under `root`: v1 (memory/PATH/memory.limit_in_bytes, memory.usage_in_bytes) and v2
+    (PATH/memory.max, memory.current, at root or root/unified). Where both hold a limit, the
+    smaller counts. None where neither can be read (no cgroups, another OS)."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return None
+    found: list[tuple[int | None, int]] = []
+    for line in lines:
+        hid, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if "memory" in controllers.split(","):
+            got = _group(root / "memory", rel, "memory.limit_in_bytes", "memory.usage_in_bytes")
+        elif hid == "0" and controllers == "":
+            got = None
+            for base in (root, root / "unified"):
+                got = got or _group(base, rel, "memory.max", "memory.current")
+        else:
+            continue
+        if got is not None:
+            found.append(got)
+    if not found:
+        return None
+    limits = [limit for limit, _ in found if limit is not None]
+    return CgroupMemory(min(limits) if limits else None, max(usage for _, usage in found))
+
+
+def _group(base: Path, rel: str, limit_file: str, usage_file: str):
+    """(the tightest limit from the group up to `base`, the group's usage), or None."""
+    group = base / rel
+    try:
+        usage = int((group / usage_file).read_text())
+    except (OSError, ValueError):
+        return None
+    limit = None
+    node = group
+    while True:
+        try:
+            text = (node / limit_file).read_text().strip()
+        except OSError:
+            text = "max"
+        if text != "max" and int(text) < _UNLIMITED:
+            limit = int(text) if limit is None else min(limit, int(text))
+        if node == base or base not in node.parents:
+            break
+        node = node.parent
+    return limit, usage
+
+
+@dataclass(frozen=True)
+class MachineMemory:
+    """What the serving plan needs of the process and the machine: the bytes the process
+    holds before any weight is read (its runtime: Python, torch, the tokenizer), the memory
+    limit it runs under (its cgroup's; None: none), and what it may still take (MemAvailable,
+    within the limit)."""
+
+    runtime: int
+    limit: int | None
+    available: int
+
+    @classmethod
+    def now(cls) -> MachineMemory:
+        free = mem_available()
+        group = cgroup_memory()
+        limit = group.limit if group is not None else None
+        if limit is not None:
+            free = min(free, max(0, limit - group.usage))
+        return cls(runtime=sample().anon_bytes, limit=limit, available=free)
 
 
 def mem_available() -> int:
