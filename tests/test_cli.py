@@ -139,3 +139,27 @@ def test_generate_streams_experts_under_a_small_budget(capsys, e0_dir, tmp_path)
     assert s["bytes_read"] > s["expert_pool_bytes"]
     assert s["bytes_read"] % extent == 0
     assert "tok/s" in err and "read" in err
+
+
+def test_generate_and_chat_sample_with_the_models_defaults_as_the_server_does(tmp_path):
+    """One sampling default: generation_config.json's temperature, top_p and top_k for the CLI
+    as for the server (the built-in model's top_p 0.95 used to be lost here); a flag
+    overrides its own field only; a model without the file gets the OpenAI defaults."""
+    from edge0 import builtin
+    from edge0.cli.args import sampling_params
+    from edge0.cli.main import build_parser
+    from edge0.engine.sampling import SamplingDefaults, SamplingParams
+
+    def parsed(*flags: str) -> SamplingParams:
+        args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
+        return sampling_params(args, builtin.model_dir())
+
+    model = SamplingDefaults.from_model_dir(builtin.model_dir())
+    assert (model.temperature, model.top_p) == (0.7, 0.95)
+    assert parsed() == SamplingParams(temperature=0.7, top_p=0.95, top_k=0)
+    assert parsed("--top-p", "0.5", "--seed", "3") == SamplingParams(0.7, 0.5, 0, 3)
+    assert parsed("--temperature", "0").greedy
+    chat = build_parser().parse_args(["chat", "--sample-top-k", "40"])
+    assert sampling_params(chat, builtin.model_dir()) == SamplingParams(0.7, 0.95, 40)
+    bare = SamplingDefaults.from_model_dir(tmp_path)
+    assert bare.resolve() == SamplingParams(temperature=1.0, top_p=1.0, top_k=0)

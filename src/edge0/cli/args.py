@@ -272,25 +272,27 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g = p.add_argument_group(
+        "sampling (default: the model's generation_config.json, as the server's; else 1.0, 1.0, 0)"
+    )
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=None)
     g.add_argument(
         "--sample-top-k",
         type=int,
-        default=0,
+        default=None,
         help="sample among the k most likely tokens (0 = all); "
         "--top-k is the number of routed experts",
     )
     g.add_argument("--seed", type=int, default=None)
 
 
-def sampling_params(args: argparse.Namespace):
-    from edge0.engine.sampling import SamplingParams
+def sampling_params(args: argparse.Namespace, model_dir: Path):
+    """The flags over the model's defaults (generation_config.json), as the server does."""
+    from edge0.engine.sampling import SamplingDefaults
 
-    return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k, seed=args.seed
-    )
+    defaults = SamplingDefaults.from_model_dir(model_dir)
+    return defaults.resolve(args.temperature, args.top_p, args.sample_top_k, args.seed)
 
 
 def config_from_args(cls, args: argparse.Namespace, **renamed: str):

@@ -257,7 +257,8 @@ def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO 
     kwargs = {} if args.thinking is None else {"enable_thinking": args.thinking}
     engine = load_engine(args.model_dir or default_model_dir(), opts)
     try:
-        session = ChatSession(engine, sampling_params(args), args.max_tokens, args.system, kwargs)
+        sampling = sampling_params(args, engine.path)
+        session = ChatSession(engine, sampling, args.max_tokens, args.system, kwargs)
         interactive = stdin is not None and stdin.isatty()
         if args.prompt is None and interactive:
             return repl(session, line_reader(stdin, out), out, args.stats)

@@ -83,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         prompt = engine.tokenizer.encode(args.prompt)
         decoder = IncrementalDecoder(engine.tokenizer)
-        result = engine.generate(prompt, args.max_tokens, sampling_params(args))
+        result = engine.generate(prompt, args.max_tokens, sampling_params(args, engine.path))
         sys.stdout.write(args.prompt)
         for token, _ in result:
             sys.stdout.write(decoder.push(token))

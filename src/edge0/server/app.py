@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from edge0.engine.sampling import SamplingDefaults
 from edge0.server import chat_api, completions_api, errors
 from edge0.server.arrivals import Arrivals, CountArrivals
 from edge0.server.failsafe import Failsafe
-from edge0.server.jobs import SamplingDefaults
 from edge0.server.logprobs import TokenStrings
 from edge0.server.metrics import Metrics
 from edge0.server.middleware import Guard

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from edge0.server.errors import bad_request, error_body
-from edge0.server.jobs import EventStream, shutting_down, sse, token_budget
+from edge0.server.jobs import EventStream, request_sampling, shutting_down, sse, token_budget
 from edge0.server.logprobs import TokenLogprob
 from edge0.server.protocol import ChatCompletionRequest
 from edge0.server.state import ServerState, new_id, now
@@ -103,7 +103,7 @@ async def chat_completions(
         ENDPOINT,
         prompt=prompt.ids,
         max_tokens=max_tokens,
-        sampling=state.sampling.resolve(body),
+        sampling=request_sampling(state.sampling, body),
         stop=body.stop_list(),
         top_logprobs=top,
     )

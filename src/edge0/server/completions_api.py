@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from edge0.server.chat_api import usage
 from edge0.server.errors import bad_request, error_body
-from edge0.server.jobs import EventStream, shutting_down, sse, token_budget
+from edge0.server.jobs import EventStream, request_sampling, shutting_down, sse, token_budget
 from edge0.server.logprobs import TokenLogprob, legacy_logprobs
 from edge0.server.protocol import CompletionRequest
 from edge0.server.state import ServerState, new_id, now
@@ -49,7 +49,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
         ENDPOINT,
         prompt=ids,
         max_tokens=max_tokens,
-        sampling=state.sampling.resolve(body),
+        sampling=request_sampling(state.sampling, body),
         stop=body.stop_list(),
         top_logprobs=body.logprobs,
     )

@@ -12,14 +12,12 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from edge0.engine.sampling import SamplingParams
+from edge0.engine.sampling import SamplingDefaults, SamplingParams
 from edge0.server.errors import APIError, bad_request
 from edge0.server.protocol import CommonRequest
 from edge0.server.worker import (
@@ -35,48 +33,11 @@ from edge0.server.worker import (
 
 log = logging.getLogger(__name__)
 
-GREEDY_BELOW = 1e-5  # temperatures below this are served greedily
-# a top_p at or below the top token's probability (at least 1/vocab) keeps that token alone;
-# below float32's range it would even round to 0 in the sampler and keep nothing
-GREEDY_TOP_P_BELOW = 1e-6
 
-
-@dataclass(frozen=True)
-class SamplingDefaults:
-    """What a request gets for the sampling fields it leaves out."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    @classmethod
-    def from_model_dir(cls, path: Path) -> SamplingDefaults:
-        """The model's generation_config.json values, else the OpenAI defaults."""
-        f = Path(path) / "generation_config.json"
-        cfg = json.loads(f.read_text()) if f.is_file() else {}
-        d = cls()
-        t, p, k = cfg.get("temperature"), cfg.get("top_p"), cfg.get("top_k")
-        if cfg.get("do_sample") is False:
-            t = 0.0
-        return cls(
-            temperature=float(t) if isinstance(t, int | float) else d.temperature,
-            top_p=float(p) if isinstance(p, int | float) and 0 < p <= 1 else d.top_p,
-            top_k=int(k) if isinstance(k, int) and k > 0 else d.top_k,
-        )
-
-    def resolve(self, req: CommonRequest) -> SamplingParams:
-        top_k = self.top_k if req.top_k is None else max(req.top_k, 0)
-        t = self.temperature if req.temperature is None else req.temperature
-        top_p = self.top_p if req.top_p is None else req.top_p
-        greedy = t < GREEDY_BELOW or top_p < GREEDY_TOP_P_BELOW
-        return SamplingParams(
-            # dividing logits by a near-zero temperature overflows them, and a near-zero top_p
-            # keeps only the most likely token: both mean greedy
-            temperature=0.0 if greedy else t,
-            top_p=1.0 if greedy else top_p,
-            top_k=top_k,
-            seed=None if req.seed is None else generator_seed(req.seed),
-        )
+def request_sampling(defaults: SamplingDefaults, req: CommonRequest) -> SamplingParams:
+    """A request's sampling: its own fields over the model's defaults."""
+    seed = None if req.seed is None else generator_seed(req.seed)
+    return defaults.resolve(req.temperature, req.top_p, req.top_k, seed)
 
 
 def generator_seed(seed: int) -> int:

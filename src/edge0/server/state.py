@@ -6,9 +6,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from edge0.engine.sampling import SamplingDefaults
 from edge0.server import arrivals
 from edge0.server.errors import APIError
-from edge0.server.jobs import Pending, SamplingDefaults, shutting_down
+from edge0.server.jobs import Pending, shutting_down
 from edge0.server.logprobs import TokenStrings
 from edge0.server.metrics import Metrics
 from edge0.server.worker import CANCELLED, SHUTTING_DOWN, Done, Token, Worker
