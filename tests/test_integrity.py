@@ -330,3 +330,74 @@ def test_convert_refuses_a_disk_without_room_before_writing(pristine, tmp_path):
         assert list(small.iterdir()) == []
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+# -- adapters bound to their base ----------------------------------------------------------------
+
+
+def rewrite_meta(path, **changes) -> None:
+    """An adapter file with its metadata changed (None removes a key), tensors kept."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for key, value in changes.items():
+        if value is None:
+            meta.pop(key, None)
+        else:
+            meta[key] = value
+    save_file(tensors, str(path), metadata=meta)
+
+
+def builtin_copy(tmp_path):
+    from edge0 import builtin
+
+    out = tmp_path / "builtin"
+    shutil.copytree(builtin.model_dir(), out)
+    return out
+
+
+def test_heads_for_another_base_or_k_are_refused_unless_asked(tmp_path, caplog):
+    import logging
+
+    model = builtin_copy(tmp_path)
+    opts = dict(io_mode="buffered", prerouter_always=True)
+    with pytest.raises(ValueError, match="trained to predict K=6 experts, and K=4 is served"):
+        load_engine(model, EngineOptions(top_k=4, **opts))
+    load_engine(model, EngineOptions(top_k=4, prerouter_any_base=True, **opts)).close()
+    heads = model / "prerouter.safetensors"
+    rewrite_meta(heads, base_hash="0" * 64)
+    m = Manifest.load(model)
+    m.hash_files(model, ["prerouter.safetensors"])  # (the directory's record follows the file)
+    m.save(model)
+    with pytest.raises(ValueError, match="trained for another base .* prerouter_any_base"):
+        load_engine(model, EngineOptions(**opts))
+    load_engine(model, EngineOptions(prerouter_any_base=True, **opts)).close()
+    rewrite_meta(heads, base_hash=None)
+    m.hash_files(model, ["prerouter.safetensors"])
+    m.save(model)
+    with caplog.at_level(logging.WARNING, logger="edge0.modeldir"):
+        for _ in range(2):
+            load_engine(model, EngineOptions(**opts)).close()
+    said = [r for r in caplog.records if "records no base_hash" in r.getMessage()]
+    assert len(said) == 1 and "prerouter.safetensors" in said[0].getMessage()  # once
+
+
+def test_a_lora_without_a_base_hash_loads_with_a_warning_once(tmp_path, caplog):
+    import logging
+
+    model = builtin_copy(tmp_path)
+    rewrite_meta(model / "lora.safetensors", base_hash=None)
+    m = Manifest.load(model)
+    m.hash_files(model, ["lora.safetensors"])
+    m.save(model)
+    with caplog.at_level(logging.WARNING, logger="edge0.modeldir"):
+        for _ in range(2):
+            engine = load_engine(model, EngineOptions(io_mode="buffered"))
+            assert engine.lora_meta and "base_hash" not in engine.lora_meta
+            engine.close()
+    said = [r for r in caplog.records if "records no base_hash" in r.getMessage()]
+    assert len(said) == 1 and "lora.safetensors" in said[0].getMessage()
+    assert "serve worse text without an error" in said[0].getMessage()

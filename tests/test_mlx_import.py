@@ -239,6 +239,11 @@ def test_adapters_are_imported_under_our_names(qwen3, tmp_path):
     assert sorted(pre.heads) == ["0", "1"]
     manifest = Manifest.load(tmp_path / "e0")
     assert {"prerouter.safetensors", "lora.safetensors"} <= manifest.files.keys()
+    # imported beside the checkpoint they were trained on, they are bound to it, as edge0's
+    # own adapters are: another base refuses them
+    for name in ("prerouter.safetensors", "lora.safetensors"):
+        with safe_open(str(tmp_path / "e0" / name), "pt") as f:
+            assert f.metadata()["base_hash"] == manifest.base_hash(), name
     # the shards are still the only weights: adapters are not mistaken for model tensors
     assert (tmp_path / "e0" / "model.safetensors").read_bytes() == (
         root / "e0_mlx" / "model.safetensors"

@@ -34,6 +34,8 @@ def run(spec: dict) -> dict:
         no_prerouter=arm != "prerouter",
         prerouter=Path(spec["prerouter"]) if arm == "prerouter" else None,
         prerouter_always=arm == "prerouter",  # the arm's point, whatever the pool holds
+        # heads given for speed alone (warm-start ones predict the next router at any K)
+        prerouter_any_base=arm == "prerouter",
         no_lora=variant == "nolora",
         backend="torch" if variant == "torch" else EngineOptions.backend,
         int4_activations=variant if variant in INT4_ACTIVATIONS else EngineOptions.int4_activations,

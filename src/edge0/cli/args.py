@@ -35,6 +35,7 @@ FLAGS = {
     "prerouter_always": "--prerouter-always",
     "no_lora": "--no-lora",
     "lora_any_base": "--lora-any-base",
+    "prerouter_any_base": "--prerouter-any-base",
 }
 _FIELD = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
 
@@ -238,6 +239,11 @@ def add_engine_args(
         action="store_true",
         help="load a LoRA trained for another base (its base_hash differs)",
     )
+    g.add_argument(
+        "--prerouter-any-base",
+        action="store_true",
+        help="serve prerouter heads trained on another base, or for another K than served",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -268,6 +274,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         no_lora=args.no_lora,
         preload=not args.no_preload,
         lora_any_base=args.lora_any_base,
+        prerouter_any_base=args.prerouter_any_base,
     )
 
 

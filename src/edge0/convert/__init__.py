@@ -195,6 +195,7 @@ def write_model_dir(
             resident=resident,
         )
         manifest.hash_files(tmp)
+        _bind_adapters(tmp, manifest)
         manifest.save(tmp)
         replace_dir(tmp, out)  # a kill at any moment leaves the old model or the new one
     except BaseException:
@@ -240,6 +241,26 @@ def _check_resident(
                 f"config.json implies {expected[k]}"
             )
     return list(expected)
+
+
+def _bind_adapters(folder: Path, manifest: modeldir.Manifest) -> None:
+    """Adapters written into a new directory without a base_hash (imported beside the
+    checkpoint they were trained on) get this model's, so that loading them on another base
+    is refused, as for adapters edge0 trained."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    base = manifest.base_hash()
+    for name in (modeldir.LORA_FILE, modeldir.PREROUTER_FILE):
+        path = folder / name
+        if not path.is_file():
+            continue
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if "base_hash" not in meta:
+            save_file(tensors, str(path), metadata=meta | {"base_hash": base})
+            manifest.hash_files(folder, [name])
 
 
 def _resident_bytes(ckpt, keys: list[str], keep_fp32: tuple[str, ...], as_int4: set[str]) -> int:

@@ -64,10 +64,9 @@ def load_engine(path: Path | str | ModelDir, options: EngineOptions | None = Non
     heads, heads_meta = (None, {})
     if plan.prerouter:  # (not where the pool holds every expert: make_plan)
         # fp16 as stored: stacked at the compute dtype by a backend that needs it
-        heads, heads_meta = md.load_heads(model.moe_layers, torch.float16)
-        trained_k, k = heads_meta.get("K"), plan.top_k
-        if trained_k and int(trained_k) != k:
-            log.warning("%s was trained at K=%s; serving K=%d", md.heads.path, trained_k, k)
+        heads, heads_meta = md.load_heads(
+            model.moe_layers, torch.float16, plan.top_k, opts.prerouter_any_base
+        )
 
     experts_path = experts_for_host(
         md.path,

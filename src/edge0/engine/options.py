@@ -61,6 +61,8 @@ class EngineOptions:
     # then run at the resident speed); off, or with a smaller pool, experts are read as routed
     preload: bool = True
     lora_any_base: bool = False  # load an adapter whose base_hash differs from this model's
+    # serve prerouter heads trained on another base, or to predict another K than served
+    prerouter_any_base: bool = False
     # check the expert extents the pool reads against their checksums: each extent's first
     # read in the process ("first"), every read ("all"), or none ("off"); formats/integrity.py
     verify_reads: str = "first"

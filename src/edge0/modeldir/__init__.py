@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -33,6 +34,8 @@ from edge0.models.experts import ExpertSlot
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import LAYOUT_KEY, LayerExtents, read_table
 from edge0.util.fs import write_atomic
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "edge0.json"
@@ -216,6 +219,7 @@ class Header:
         return sum(t.nbytes for t in self.table.values())
 
 
+_WARNED: set[Path] = set()  # adapter files already said to record no base (once a process)
 _LAYER = re.compile(r"(?:model\.|model\.language_model\.)?layers\.(\d+)\.")
 
 
@@ -372,24 +376,56 @@ class ModelDir:
         if path.resolve().parent == self.path.resolve():
             self.manifest.check_file(path)
 
+    def check_bound(self, header: Header, option: str, allow_other: bool) -> None:
+        """An adapter against the base it records (its metadata's base_hash): another base is
+        a ValueError unless `allow_other` (the option named `option`); none recorded (an
+        adapter imported or written before it was) is said once, naming the risk."""
+        recorded = header.meta.get("base_hash")
+        if recorded is None:
+            if header.path not in _WARNED:
+                _WARNED.add(header.path)
+                log.warning(
+                    "%s records no base_hash: nothing shows it was trained on this model's "
+                    "weights; a mismatch would serve worse text without an error",
+                    header.path,
+                )
+        elif recorded != self.base_hash and not allow_other:
+            raise ValueError(
+                f"{header.path} was trained for another base (base_hash {recorded[:12]}..., "
+                f"this model {self.base_hash[:12]}...); set {option} to load it anyway"
+            )
+
     def load_lora(self, model: nn.Module, allow_other_base: bool = False) -> dict[str, str]:
-        """Attach the served LoRA to `model` (none: {}); its metadata."""
+        """Attach the served LoRA to `model` (none: {}), checked against this base; its
+        metadata."""
         from edge0.models import lora
 
         if self.lora is None:
             return {}
         self._check_own(self.lora.path)
-        meta = lora.load(model, self.lora.path, self.base_hash, allow_other_base)
+        self.check_bound(self.lora, "lora_any_base", allow_other_base)
+        meta = lora.load(model, self.lora.path, self.base_hash, True)
         self.bytes_read += self.lora.nbytes
         return meta
 
-    def load_heads(self, moe_layers: list[int], dtype: torch.dtype):
-        """(the served prerouter's heads, its metadata), or (None, {})."""
+    def load_heads(
+        self, moe_layers: list[int], dtype: torch.dtype, top_k: int, allow_other: bool = False
+    ):
+        """(the served prerouter's heads, its metadata), or (None, {}). Heads trained on
+        another base, or for another K than `top_k`, are a ValueError unless `allow_other`."""
         from edge0.prerouter.head import Prerouter
 
         if self.heads is None:
             return None, {}
         self._check_own(self.heads.path)
+        self.check_bound(self.heads, "prerouter_any_base", allow_other)
+        trained = self.heads.meta.get("K")
+        if trained is not None and int(trained) != top_k and not allow_other:
+            raise ValueError(
+                f"{self.heads.path} was trained to predict K={trained} experts, and K={top_k} "
+                "is served; serve top_k "
+                f"{trained}, or set prerouter_any_base to use them anyway"
+            )
         cfg = self.config
         pre, meta = Prerouter.load(
             self.heads.path, cfg.hidden_size, cfg.num_experts, moe_layers, dtype
