@@ -145,6 +145,29 @@ CASES = {
             n_shared_experts=2,
         ),
     ),
+    # YaRN as DeepSeek-V3's release configures it, with the attention scale's mscale
+    "deepseek_v3_yarn": (
+        "deepseek_v3",
+        dict(
+            rope_scaling=dict(
+                rope_type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=16,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            max_position_embeddings=64,
+        ),
+    ),
+    "qwen3_5_moe_yarn": (
+        "qwen3_5_moe",
+        dict(
+            rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=16),
+            max_position_embeddings=64,
+        ),
+    ),
     "olmoe": ("olmoe", dict(norm_topk_prob=True)),
     "olmoe_clip_qkv": ("olmoe", dict(clip_qkv=2.0)),
     "mixtral": ("mixtral", {}),

@@ -345,10 +345,21 @@ def model_sizes(md: ModelDir) -> ModelSizes:
         adapter_params=md.lora.params if md.lora else 0,
         head_params=md.heads.params if md.heads else 0,
         prediction_routed_layers=prediction_routed_layers(md.heads, layers) if md.heads else 0,
-        position_limit=getattr(model.config, "max_position_embeddings", None),
+        position_limit=position_limit(model.config),
         hidden_size=model.config.hidden_size,
         heads=getattr(model.config, "num_attention_heads", 0),
     )
+
+
+def position_limit(cfg) -> int | None:
+    """The positions a model serves: max_position_embeddings, times the factor of a dynamic
+    RoPE, which scales its frequencies as the sequence grows past it (yarn, llama3 and
+    longrope configs already say the extended length there)."""
+    limit = getattr(cfg, "max_position_embeddings", None)
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    if limit and scaling.get("rope_type") == "dynamic":
+        return int(limit * float(scaling.get("factor") or 1.0))
+    return limit
 
 
 def open_dir(path: Path | str, options: EngineOptions) -> ModelDir:

@@ -141,11 +141,11 @@ def config_from_dict(cls, raw: dict[str, Any], aliases: dict[str, str] | None = 
     if "rope_theta" not in data and "rope_theta" in rope:
         data["rope_theta"] = rope["rope_theta"]
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(
-            f"config.json: rope type {rope_type!r} is not supported (only default RoPE)"
-        )
     names = {f.name for f in dataclasses.fields(cls)}
+    # a scaled RoPE's parameters, as transformers reads them (models/layers.py RopeScaling)
+    data["rope_scaling"] = None
+    if rope_type not in ("default", None):
+        data["rope_scaling"] = {**rope, "rope_type": rope_type}
     missing = [
         f.name
         for f in dataclasses.fields(cls)

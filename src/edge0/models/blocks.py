@@ -165,7 +165,12 @@ class CausalLM(nn.Module):
             self.embed_name, cfg.vocab_size, cfg.hidden_size, layers, self.final_norm(cfg)
         )
         self.model = nn.ModuleDict({self.nest: backbone}) if self.nest else backbone
-        self.rotary = RotaryEmbedding(self.rotary_dim(cfg), cfg.rope_theta)
+        self.rotary = RotaryEmbedding(
+            self.rotary_dim(cfg),
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            getattr(cfg, "max_position_embeddings", None),
+        )
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

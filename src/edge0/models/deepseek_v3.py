@@ -11,6 +11,7 @@ dn / dr / dv nope, rope and value head dims, E experts, K active experts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -55,6 +56,8 @@ class Config:
     num_nextn_predict_layers: int = 0  # multi-token-prediction layers after the decoder
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # a scaled RoPE's parameters (None: default)
+    max_position_embeddings: int | None = None  # the positions it was trained for
     rope_interleave: bool = True
     attention_bias: bool = False
     tie_word_embeddings: bool = False
@@ -120,6 +123,7 @@ class MLA(nn.Module):
         self.gated = gated
         if gated:
             self.g_proj = nn.Linear(d, self.h, bias=False)
+        self.scale = (self.dn + self.dr) ** -0.5 * yarn_mscale(cfg.rope_scaling) ** 2
 
     def forward(self, x: torch.Tensor, rope, cache: KVCache | None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -146,7 +150,7 @@ class MLA(nn.Module):
         )  # [H, dn, r], [H, dv, r]
         q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)  # the key up-projection, folded
         q = torch.cat([q_lat, q_rope], dim=-1)  # [B, H, T, r + dr]
-        scale = (self.dn + self.dr) ** -0.5
+        scale = self.scale
 
         def over(q, latent, k_rope):  # k [B, 1, S, r + dr], shared by all heads
             return attend(q, torch.cat([latent, k_rope], dim=-1), latent, scale)
@@ -157,6 +161,16 @@ class MLA(nn.Module):
             out = cache.attend(self.layer, q, latent, k_rope, over)
         out = out.view(b, t, self.h, self.r)
         return torch.einsum("bthr,hvr->bthv", out, w_uv)  # the value up-projection
+
+
+def yarn_mscale(scaling: dict | None) -> float:
+    """A scaled RoPE's factor on the attention scores' scale (squared there), as DeepSeek-V3
+    applies it: 0.1 * mscale_all_dim * ln(factor) + 1 where the parameters set mscale_all_dim
+    and the factor is above 1; else 1."""
+    if not scaling or not scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = scaling.get("factor") or 1.0
+    return 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 class Router(nn.Module):

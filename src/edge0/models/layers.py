@@ -28,24 +28,86 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE over the first `rotary_dim` channels of each head.
+    """RoPE over the first `rotary_dim` channels of each head: default, or scaled as
+    `scaling` (a config's rope_parameters: yarn, linear, dynamic, llama3, longrope) says, with
+    transformers' own functions for the frequencies and the attention factor (RopeScaling).
 
     The frequencies are derived, not stored, so a model built on the meta device needs no
     buffer fix-up after its weights are loaded.
     """
 
-    def __init__(self, rotary_dim: int, theta: float):
+    def __init__(
+        self,
+        rotary_dim: int,
+        theta: float,
+        scaling: dict | None = None,
+        max_positions: int | None = None,
+    ):
         super().__init__()
         self.rotary_dim, self.theta = rotary_dim, theta
+        self.scaling = RopeScaling(rotary_dim, theta, scaling, max_positions) if scaling else None
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scaling is not None:
+            return self.scaling(positions, dtype)
         steps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device=positions.device)
         inv_freq = 1.0 / (self.theta ** (steps / self.rotary_dim))
         freqs = positions.float()[..., None] * inv_freq  # [..., T, rot/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class RopeScaling:
+    """A scaled RoPE's cos and sin, from transformers' init function for its type (the one
+    its models use), then scaled by the function's attention factor, as transformers' rotary
+    embeddings do. A dynamic or longrope type depends on the sequence's length: its
+    frequencies are those for the forward's largest position, as transformers' models update
+    them from the position ids of each forward."""
+
+    LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+    def __init__(self, rotary_dim: int, theta: float, scaling: dict, max_positions: int | None):
+        from transformers import PreTrainedConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        self.rope_type = scaling["rope_type"]
+        if self.rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(
+                f"config.json: rope type {self.rope_type!r} is not supported; supported: "
+                f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}"
+            )
+        self.init = ROPE_INIT_FUNCTIONS[self.rope_type]
+        # what the function reads: the rope parameters, the head's rotary width (rotary_dim,
+        # already the partial width where a family rotates part of the head), the context
+        params = {**scaling, "rope_theta": theta, "partial_rotary_factor": 1.0}
+        self.config = PreTrainedConfig(
+            rope_parameters=params,
+            max_position_embeddings=max_positions,
+            head_dim=rotary_dim,
+            hidden_size=rotary_dim,
+            num_attention_heads=1,
+        )
+        self._cached: tuple[torch.Tensor, float] | None = None
+
+    def frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
+        """(inverse frequencies [rot/2], attention factor) for a sequence of seq_len."""
+        if self.rope_type in self.LENGTH_DEPENDENT:
+            inv_freq, factor = self.init(self.config, None, seq_len=seq_len)
+            return inv_freq.float(), float(factor)
+        if self._cached is None:
+            inv_freq, factor = self.init(self.config, None)
+            self._cached = inv_freq.float(), float(factor)
+        return self._cached
+
+    def __call__(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, factor = self.frequencies(int(positions.max()) + 1)
+        freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [..., T, rot/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

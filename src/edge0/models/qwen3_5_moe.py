@@ -56,6 +56,8 @@ class Config:
     partial_rotary_factor: float = 0.25
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # a scaled RoPE's parameters (None: default)
+    max_position_embeddings: int | None = None  # the positions it was trained for
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     norm_topk_prob: bool = True  # the router always renormalises its top-k

@@ -30,6 +30,7 @@ class Config:
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # a scaled RoPE's parameters (None: default)
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
