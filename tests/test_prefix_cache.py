@@ -218,7 +218,7 @@ def test_metrics_count_the_restored_tokens(chat_dir):
     finally:
         engine.close()
     values = {
-        line.split()[0]: float(line.split()[1])
+        line.split("{")[0]: float(line.split()[1])
         for line in text.splitlines()
         if line.startswith("edge0_prefix_cache")
     }

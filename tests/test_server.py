@@ -9,6 +9,7 @@ engine: the real engine whose schedulers emit a given text token by token.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -33,6 +34,8 @@ from edge0.engine.sampling import SamplingParams
 from edge0.engine.scheduler import Sequence, State
 from edge0.engine.stats import GenerationStats
 from edge0.server.app import ServerOptions, create_app
+from edge0.server.http import Timeouts
+from edge0.server.lifecycle import uvicorn_config
 from edge0.server.tools import ToolCallParser
 from edge0.text.prompt import ChatTemplate
 from edge0.text.reasoning import ThinkSplitter
@@ -57,11 +60,12 @@ def make_chat_model(root: Path, **overrides) -> Path:
 
 
 @contextmanager
-def live_server(app):
-    """Run `app` with uvicorn in a thread on a free loopback port; yields the base URL."""
+def live_server(app, timeouts: Timeouts | None = None):
+    """Run `app` with uvicorn as `edge0 serve` configures it, in a thread on a free loopback
+    port; yields the base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, timeouts or Timeouts()))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -406,29 +410,44 @@ def test_a_request_does_not_depend_on_the_one_before(client):
 
 
 def metrics(base: str) -> dict[str, float]:
+    """/metrics' samples by name and labels, the model_name label left out (every series has
+    it: test_metrics checks that)."""
     values = {}
     for line in httpx.get(f"{base}/metrics").text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+            name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")
+            values[name.replace(",}", "}")] = float(value)
     return values
 
 
 def test_metrics(client, base):
     chat(client, max_tokens=4)
     values = metrics(base)
-    assert values["edge0_generation_tokens_total"] >= 4
-    assert values["edge0_prompt_tokens_total"] > 0
+    assert values["vllm:generation_tokens_total"] >= 4
+    assert values["vllm:prompt_tokens_total"] > 0
     assert values["edge0_decode_tokens_per_second"] > 0
     assert values["edge0_expert_read_bytes_total"] > 0
     assert values["edge0_expert_cache_hits_total"] > 0
     assert "edge0_read_blocked_seconds_total" in values
     assert values["edge0_queue_depth"] == 0
+    assert values["vllm:num_requests_running"] == values["vllm:num_requests_waiting"] == 0
     assert values["edge0_peak_anon_bytes"] > 0 and values["edge0_peak_file_bytes"] > 0
     assert values['edge0_requests_total{endpoint="chat",outcome="length"}'] >= 1
-    assert values["edge0_time_to_first_token_seconds_count"] >= 1
+    assert values['vllm:request_success_total{finished_reason="length"}'] >= 1
+    assert values["vllm:time_to_first_token_seconds_count"] >= 1
+    assert values["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert values["vllm:request_queue_time_seconds_count"] >= 1
+    # 4 tokens: at least 3 intervals between them
+    assert values["vllm:inter_token_latency_seconds_count"] >= 3
+    assert values["vllm:request_generation_tokens_count"] >= 1
     # one request at a time here: each decode forward ran one request's step
     assert values["edge0_decode_rows_total"] == values["edge0_decode_forwards_total"] >= 3
+    # every series names the model, as vLLM's dashboards select by it
+    samples = [
+        line for line in httpx.get(f"{base}/metrics").text.splitlines() if line[:1] not in "#"
+    ]
+    assert samples and all('model_name="tiny"' in line for line in samples)
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -618,7 +637,7 @@ MESSAGE = st.fixed_dictionaries(
 )
 # values a client may well send; the fuzzer mixes them with arbitrary JSON
 VALID = {
-    "model": st.text(max_size=5),
+    "model": st.just("tiny") | st.text(max_size=5),
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0.001, 1),
     "top_k": st.integers(-1, 50),

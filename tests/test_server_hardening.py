@@ -199,7 +199,9 @@ def test_chat_without_max_tokens_is_capped_by_default(engine):
         assert r.usage.completion_tokens == CHAT_MAX_TOKENS
         assert r.choices[0].finish_reason == "length"
         # --default-max-tokens 0 (None here) restores "to the end of the context"
-    with live_server(create_app(fake, ServerOptions(default_max_tokens=None))) as url:
+    with live_server(
+        create_app(fake, ServerOptions(model_name="tiny", default_max_tokens=None))
+    ) as url:
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         r = c.chat.completions.create(model="tiny", messages=USER)
         assert r.usage.completion_tokens > CHAT_MAX_TOKENS
@@ -361,14 +363,14 @@ def leave_a_whole_request(base: str) -> None:
 def test_a_cancelled_request_counts_the_tokens_it_generated(slow, leave):
     base, engine = slow
     before = len(engine.finished)
-    counted = metrics(base)["edge0_generation_tokens_total"]
+    counted = metrics(base)["vllm:generation_tokens_total"]
     leave(base)
     wait_for(lambda: len(engine.finished) > before)
     # read its tokens once it has ended: until the server hears the client leave, it goes on
     wait_for(lambda: engine.finished[before].done)
     generated = len(engine.finished[before].tokens)
     assert 0 < generated < 60  # it was cut
-    wait_for(lambda: metrics(base)["edge0_generation_tokens_total"] == counted + generated)
+    wait_for(lambda: metrics(base)["vllm:generation_tokens_total"] == counted + generated)
 
 
 def test_a_request_no_longer_counts_as_running_when_its_end_is_heard(engine):
@@ -406,7 +408,8 @@ class ServeProcess:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "edge0", "serve", str(model_dir), "--port", str(self.port)]
-        argv += ["--threads", "1", "--max-context", "512", "--queue-size", "4", *flags]
+        argv += ["--threads", "1", "--max-context", "512", "--queue-size", "4"]
+        argv += ["--model-name", "tiny", *flags]
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
         )
@@ -543,6 +546,41 @@ def test_sigterm_lets_the_running_request_finish(model_dir):
         code, out = server.finish()
     assert code == 0, out
     assert "stopped serving" in out
+
+
+@pytest.mark.slow
+def test_a_second_signal_does_not_cut_the_drain(model_dir):
+    """SIGTERM, then SIGTERM and SIGINT again during the grace: the running stream still
+    ends with its shutting_down event and [DONE] at the grace's end, nothing is cut short, no
+    traceback, exit 0. Logged as JSON, one object per line, each request's line among them."""
+    grace = 2.0
+    server = ServeProcess(
+        model_dir, "--shutdown-grace", str(grace), "--max-active", "1", "--max-context", "4096",
+        "--log-format", "json",
+    )  # fmt: skip
+    long = {"messages": USER, "max_tokens": 4000, "temperature": 0, "stream": True}
+    started = threading.Event()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(sse_events, server.base, CHAT, long, started)
+            assert started.wait(60)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            server.proc.send_signal(signal.SIGINT)
+            events = running.result(timeout=60)
+            ended = time.monotonic() - t0
+        assert ends_with_shutting_down(events) and ended >= grace - 0.1
+    finally:
+        code, out = server.finish()
+    assert code == 0, out
+    assert "Traceback" not in out and "CancelledError" not in out, out
+    logged = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert sum("already stopping" in e["message"] for e in logged) == 2, out
+    [line] = [e for e in logged if e.get("request", {}).get("path") == CHAT]
+    assert line["request"]["outcome"] == "shutting_down" and line["request"]["status"] == 200
 
 
 def test_a_stream_whose_client_left_during_a_send_closes_its_generator():

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).parent
+# the id `edge0 serve` gives it (GET /v1/models; a request's `model` names it)
+NAME = "edge0-builtin"
 
 
 def model_dir() -> Path:

@@ -34,6 +34,23 @@ def check_bind(host: str, api_key: str | None) -> None:
         )
 
 
+def read_timeouts(args: argparse.Namespace):
+    """The read timeouts the flags ask for (0: none; a huge value stands for none)."""
+    from edge0.server.http import NO_TIMEOUT, Timeouts
+
+    values = {}
+    for flag, name in (
+        ("header_timeout", "header_s"),
+        ("body_timeout", "body_s"),
+        ("keep_alive_timeout", "keep_alive_s"),
+    ):
+        value = getattr(args, flag)
+        if not value >= 0:  # (NaN too)
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 0, got {value}")
+        values[name] = value or NO_TIMEOUT
+    return Timeouts(**values)
+
+
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     from edge0.cli.args import add_engine_args
     from edge0.util import limits, memory
@@ -58,7 +75,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="read the key from this file's first line (keeps it out of the process list)",
     )
-    s.add_argument("--model-name", default=None, help="model id to report (default: dir name)")
+    s.add_argument(
+        "--model-name",
+        default=None,
+        help="the model's id in the API; requests naming another get 404 (default: the "
+        "directory's name, edge0-builtin for the built-in model)",
+    )
     s.add_argument(
         "--queue-size",
         type=int,
@@ -85,14 +107,51 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="seconds the running request gets to finish on SIGTERM or Ctrl-C before it is "
         f"cut with a 'shutting_down' error (default {limits.SHUTDOWN_GRACE_S:g})",
     )
+    s.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines as timestamped text, or as one JSON object each (default text)",
+    )
+    s.add_argument(
+        "--no-request-log",
+        dest="request_log",
+        action="store_false",
+        help="leave out the line logged for each request (id, endpoint, status, tokens, "
+        "times, and why a request failed)",
+    )
+    timeouts = s.add_argument_group("read timeouts (seconds; 0: none)")
+    timeouts.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits.HEADER_TIMEOUT_S,
+        help="a request head must be in within this of its first byte, else 408 "
+        f"(default {limits.HEADER_TIMEOUT_S:g})",
+    )
+    timeouts.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits.BODY_TIMEOUT_S,
+        help="a request body must be in within this of its head, else 408 "
+        f"(default {limits.BODY_TIMEOUT_S:g})",
+    )
+    timeouts.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=limits.KEEP_ALIVE_S,
+        help="a connection idle this long, new or between requests, is closed "
+        f"(default {limits.KEEP_ALIVE_S:g})",
+    )
     add_engine_args(s, max_active=limits.SERVE_MAX_ACTIVE, prefix_cache=True)
     s.set_defaults(func=cmd_serve)
     return s
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from edge0 import builtin
     from edge0.cli.args import default_model_dir, engine_options
     from edge0.engine.load import load_engine
+    from edge0.server import requestlog
     from edge0.server.app import ServerOptions, create_app
     from edge0.server.lifecycle import serve
     from edge0.util.threads import ComputeThread
@@ -104,6 +163,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if args.shutdown_grace < 0:
         raise ValueError(f"--shutdown-grace must be at least 0, got {args.shutdown_grace}")
+    timeouts = read_timeouts(args)
+    requestlog.configure(args.log_format, args.request_log)
     api_key = args.api_key
     if args.api_key_file is not None:
         lines = args.api_key_file.read_text().split()
@@ -119,24 +180,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BaseException:
         compute.close()
         raise
+    name = args.model_name or (builtin.NAME if args.model_dir is None else engine.path.name)
     try:
         app = create_app(
             engine,
             ServerOptions(
-                model_name=args.model_name,
+                model_name=name,
                 api_key=api_key,
                 queue_size=args.queue_size,
                 max_body_bytes=args.max_body,
                 default_max_tokens=args.default_max_tokens or None,
                 tracebacks=getattr(args, "debug", False),
+                body_timeout_s=timeouts.body_s,
             ),
             compute,
         )
-        name = args.model_name or engine.path.name
         print(f"edge0: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
         level = "info" if getattr(args, "verbose", False) else "warning"
         worker = app.state.edge0.worker
-        served = serve(app, worker, args.host, args.port, level, args.shutdown_grace)
+        served = serve(app, worker, args.host, args.port, level, args.shutdown_grace, timeouts)
     finally:
         compute.call(engine.close)
         compute.close()

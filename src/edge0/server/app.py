@@ -24,10 +24,11 @@ from edge0.server.logprobs import TokenStrings
 from edge0.server.metrics import Metrics
 from edge0.server.middleware import Guard
 from edge0.server.protocol import ChatCompletionRequest, CompletionRequest
+from edge0.server.requestlog import RequestLog
 from edge0.server.state import ServerState
 from edge0.server.worker import Worker
 from edge0.text.prompt import ChatTemplate
-from edge0.util.limits import CHAT_MAX_TOKENS
+from edge0.util import limits
 from edge0.util.threads import ComputeThread
 
 
@@ -38,8 +39,9 @@ class ServerOptions:
     queue_size: int = 32  # requests that may wait behind the running one
     max_body_bytes: int = 1 << 20
     # chat requests without max_tokens; None: to the end of the context
-    default_max_tokens: int | None = CHAT_MAX_TOKENS
+    default_max_tokens: int | None = limits.CHAT_MAX_TOKENS
     tracebacks: bool = False  # log each 5xx with its traceback, not in one line
+    body_timeout_s: float | None = limits.BODY_TIMEOUT_S  # after the head; None: no limit
 
 
 # the label of each route in /metrics; any other path counts as "other"
@@ -76,18 +78,15 @@ def create_app(
     The caller keeps ownership of the engine (and closes it after the server stops).
     """
     opts = options or ServerOptions()
-    metrics = Metrics(engine, lambda: worker.depth, endpoint_label)
+    model_name = opts.model_name or engine.path.name
     arrivals = Arrivals()
     worker = Worker(
-        engine,
-        opts.queue_size,
-        on_generated=metrics.generation_ended,
-        tracebacks=opts.tracebacks,
-        compute=compute,
-        arrivals=arrivals,
+        engine, opts.queue_size, tracebacks=opts.tracebacks, compute=compute, arrivals=arrivals
     )
+    metrics = Metrics(engine, worker, model_name, endpoint_label)
+    worker.on_generated = metrics.generation_ended
     state = ServerState(
-        model_name=opts.model_name or engine.path.name,
+        model_name=model_name,
         worker=worker,
         metrics=metrics,
         template=ChatTemplate(engine.tokenizer),
@@ -97,6 +96,7 @@ def create_app(
         vocab_size=engine.config.vocab_size,
         default_max_tokens=opts.default_max_tokens,
         started=int(time.time()),
+        aliases=frozenset((engine.path.name,)),
     )
 
     @asynccontextmanager
@@ -113,9 +113,15 @@ def create_app(
     errors.install(app)
     # inside the guard: a request counts as arriving once its whole body is in
     app.add_middleware(CountArrivals, arrivals=arrivals, paths=GENERATION_PATHS)
-    app.add_middleware(Guard, api_key=opts.api_key, max_bytes=opts.max_body_bytes)
-    # added last: the outermost
+    app.add_middleware(
+        Guard,
+        api_key=opts.api_key,
+        max_bytes=opts.max_body_bytes,
+        body_timeout_s=opts.body_timeout_s,
+    )
     app.add_middleware(Failsafe, count=metrics.response, tracebacks=opts.tracebacks)
+    # added last: the outermost, so it logs the status the client got
+    app.add_middleware(RequestLog)
 
     def model_card() -> dict:
         return {
@@ -132,13 +138,7 @@ def create_app(
 
     @app.get("/v1/models/{model_id:path}")  # ids like Qwen/Qwen3-30B-A3B hold a slash
     async def get_model(model_id: str) -> dict:
-        if model_id != state.model_name:
-            raise errors.APIError(
-                404,
-                f"model {model_id!r} is not served here; this server serves {state.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        state.check_model(model_id)
         return model_card()
 
     @app.post("/v1/chat/completions")

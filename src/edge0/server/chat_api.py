@@ -74,6 +74,7 @@ class ChatOutput:
 async def chat_completions(
     state: ServerState, body: ChatCompletionRequest, request: Request
 ) -> Response:
+    state.check_model(body.model)
     template = state.template
     kwargs = dict(body.chat_template_kwargs or {})
     if body.enable_thinking is not None:

@@ -41,6 +41,7 @@ def prompt_ids(state: ServerState, body: CompletionRequest) -> tuple[list[int], 
 
 
 async def completions(state: ServerState, body: CompletionRequest, request: Request) -> Response:
+    state.check_model(body.model)
     # off the event loop: a long prompt takes seconds to tokenize, and streams must flow
     ids, text = await run_in_threadpool(prompt_ids, state, body)
     requested = body.max_tokens if body.max_tokens is not None else COMPLETIONS_MAX_TOKENS

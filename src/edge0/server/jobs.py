@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from edge0.engine.sampling import SamplingDefaults, SamplingParams
 from edge0.server.errors import APIError, bad_request
 from edge0.server.protocol import CommonRequest
+from edge0.server.requestlog import RequestRecord, current
 from edge0.server.worker import (
     SHUTTING_DOWN,
     Done,
@@ -94,6 +95,11 @@ class Pending:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.arrived = time.perf_counter()
         self.first_token_s: float | None = None
+        self.intervals: list[float] = []  # between successive tokens, as the loop got them
+        self._last_token = 0.0
+        self.done: Done | None = None
+        self.failure: str | None = None  # a Failed event's message
+        self.log: RequestRecord | None = current()  # the request's log line (requestlog.py)
         self.job = Job(prompt, max_tokens, sampling, self._sink, stop, top_logprobs)
         try:
             worker.submit(self.job)
@@ -118,14 +124,28 @@ class Pending:
     async def __aiter__(self) -> AsyncIterator[Event]:
         while True:
             event = await self.events.get()
-            if isinstance(event, Token) and self.first_token_s is None:
-                self.first_token_s = time.perf_counter() - self.arrived
+            if isinstance(event, Token):
+                t = time.perf_counter()
+                if self.first_token_s is None:
+                    self.first_token_s = t - self.arrived
+                else:
+                    self.intervals.append(t - self._last_token)
+                self._last_token = t
+            elif isinstance(event, Done):
+                self.done = event
+            else:
+                self.failure = event.message
             yield event
             if isinstance(event, Done | Failed):
                 return
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.arrived
+
+    def queue_s(self) -> float | None:
+        """From arrival until the generation thread admitted it (None: it never was)."""
+        admitted = self.job.admitted
+        return None if admitted is None else max(0.0, admitted - self.arrived)
 
     def cancel(self) -> None:
         self.worker.cancel(self.job)

@@ -10,7 +10,11 @@ closed. On the first signal:
 3. the running request gets `grace_s` to finish, then ends with the same error;
 4. uvicorn sends what the handlers still have and returns; the caller closes the engine.
 
-A second signal cuts the running request, and then the open connections, at once.
+A signal during the drain changes nothing but a log line saying how long is left: cutting the
+drain short would end streams without their final event (SIGKILL stops at once).
+
+uvicorn's loggers propagate to the root logger, so its lines take the server's format
+(requestlog.configure); its access line is off, as each request's own line replaces it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 
 import uvicorn
 
+from edge0.server.http import Timeouts, protocol
 from edge0.server.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -32,14 +37,41 @@ POLL_S = 0.1
 FINISH_S = 5.0
 
 
-def serve(app, worker: Worker, host: str, port: int, log_level: str, grace_s: float) -> bool:
+def uvicorn_config(app, timeouts: Timeouts, log_level: str = "warning", **kw) -> uvicorn.Config:
+    """uvicorn's settings for `app`: the timed protocol (server/http.py), its loggers as the
+    module docstring says; `kw`: host, port, ..."""
+    return uvicorn.Config(
+        app,
+        http=protocol(timeouts),
+        timeout_keep_alive=timeouts.keep_alive_s,
+        log_level=log_level,
+        log_config=None,
+        access_log=False,
+        **kw,
+    )
+
+
+def serve(
+    app,
+    worker: Worker,
+    host: str,
+    port: int,
+    log_level: str,
+    grace_s: float,
+    timeouts: Timeouts | None = None,
+) -> bool:
     """Serve `app` until a signal, then stop as the module docstring says.
 
     Returns False when uvicorn stopped by itself before serving (it logged why: a port in
     use, an address it cannot bind).
     """
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s + FINISH_S
+    config = uvicorn_config(
+        app,
+        timeouts or Timeouts(),
+        log_level,
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=grace_s + FINISH_S,
     )
     server = uvicorn.Server(config)
     signals: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -63,17 +95,32 @@ def serve(app, worker: Worker, host: str, port: int, log_level: str, grace_s: fl
         server.should_exit = True
         deadline = time.monotonic() + grace_s
         while not worker.wait_idle(POLL_S):
-            if time.monotonic() >= deadline or not signals.empty():
+            _note_repeats(signals, deadline)
+            if time.monotonic() >= deadline:
                 worker.cancel_running()
                 break
         while thread.is_alive():
             thread.join(POLL_S)
-            if not signals.empty():
-                server.force_exit = True
+            _note_repeats(signals, None)
         return True
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _note_repeats(signals: queue.SimpleQueue[int], deadline: float | None) -> None:
+    """Log the signals that came during the drain (they change nothing)."""
+    while not signals.empty():
+        name = signal.Signals(signals.get_nowait()).name
+        if deadline is None:
+            log.warning("%s: already stopping; the last responses are being sent", name)
+        else:
+            log.warning(
+                "%s: already stopping; the running requests have %.1f s left to finish "
+                "(SIGKILL stops at once)",
+                name,
+                max(0.0, deadline - time.monotonic()),
+            )
 
 
 def _first_signal(signals: queue.SimpleQueue[int], thread: threading.Thread) -> int | None:

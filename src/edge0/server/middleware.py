@@ -1,12 +1,15 @@
-"""ASGI middleware run before any route: the API key check and the request body size limit.
+"""ASGI middleware run before any route: the API key check, and the request body's size limit
+and read deadline.
 
-Both answer before the body is parsed, so a stranger's or an oversized request costs nothing.
+All answer before the body is parsed, so a stranger's or an oversized request costs nothing.
 The limit is enforced on the bytes received, not only on Content-Length, so a chunked upload
-cannot get around it.
+cannot get around it; a body not in within `body_timeout_s` of the request head gets 408
+(server/http.py keeps the head's and the idle connection's timeouts).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.datastructures import Headers
@@ -18,10 +21,13 @@ from edge0.server.errors import APIError
 class Guard:
     """Checks `Authorization: Bearer KEY` on /v1 routes and caps request bodies at max_bytes."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_bytes: int):
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_bytes: int, body_timeout_s: float | None
+    ):
         self.app = app
         self.api_key = api_key
         self.max_bytes = max_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -36,7 +42,12 @@ class Guard:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await _reject(scope, receive, send, self._too_large())
             return
-        body, rest = await self._read_body(receive)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body, rest = await self._read_body(receive)
+        except TimeoutError:
+            await _reject(scope, receive, send, self._too_slow())
+            return
         if body is None:
             await _reject(scope, receive, send, self._too_large())
             return
@@ -68,6 +79,14 @@ class Guard:
             f"the request body is larger than the limit of {self.max_bytes} bytes "
             "(edge0 serve --max-body)",
             code="request_too_large",
+        )
+
+    def _too_slow(self) -> APIError:
+        return APIError(
+            408,
+            f"the request body was not received within {self.body_timeout_s:g} s of its head",
+            code="request_timeout",
+            headers={"Connection": "close"},  # the rest of the body must not be read as a request
         )
 
     async def _read_body(self, receive: Receive) -> tuple[bytes | None, Message | None]:

@@ -124,6 +124,8 @@ class Message(Model):
             raise ValueError(f"a {self.role} message needs 'content'")
         if self.content is None and not self.tool_calls:
             raise ValueError("an assistant message needs 'content' or 'tool_calls'")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs 'tool_call_id': the id of the call it answers")
         return self
 
     def text(self) -> str:

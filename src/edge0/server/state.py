@@ -28,10 +28,25 @@ class ServerState:
     vocab_size: int
     default_max_tokens: int | None  # when a chat request leaves max_tokens out
     started: int  # unix time, for /v1/models
+    # the ids a request's `model` may name: model_name, and the model directory's name
+    aliases: frozenset[str] = frozenset()
 
     @property
     def tokenizer(self):
         return self.worker.engine.tokenizer
+
+    def check_model(self, requested: str | None) -> None:
+        """A 404 for a model this server does not serve, as OpenAI answers; a request that
+        names none gets the one served."""
+        if requested is None or requested == self.model_name or requested in self.aliases:
+            return
+        raise APIError(
+            404,
+            f"the model {requested!r} does not exist here; this server serves "
+            f"{self.model_name!r} (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
 
     def submit(self, endpoint: str, **job) -> Pending:
         """Queue a generation (see Pending); a refusal is counted in the metrics."""
@@ -44,8 +59,25 @@ class ServerState:
 
     def record(self, endpoint: str, outcome: str, pending: Pending):
         """Count a finished request: outcome is its finish reason, 'cancelled', 'error' or
-        'shutting_down' (its tokens were counted when its generation ended)."""
-        self.metrics.finished(endpoint, outcome, pending.elapsed(), pending.first_token_s)
+        'shutting_down' (its tokens were counted when its generation ended); and fill its
+        log line (requestlog.py)."""
+        self.metrics.finished(endpoint, outcome, pending)
+        line = pending.log
+        if line is None:
+            return
+        line.outcome = outcome
+        line.prompt_tokens = len(pending.job.prompt)
+        line.ttft_s = pending.first_token_s
+        line.queue_s = pending.queue_s()
+        done = pending.done
+        if done is not None:
+            line.completion_tokens = done.completion_tokens
+            if done.stats is not None:
+                line.decode_tok_s = done.stats.decode_tok_s
+        if pending.failure is not None:
+            line.reason = f"generation failed: {pending.failure}"
+        elif outcome == SHUTTING_DOWN:
+            line.reason = "the server is shutting down"
 
     async def collect(self, endpoint: str, pending: Pending, request) -> tuple[list[Token], Done]:
         """A whole (non-streamed) generation; cancelled or failed ones raise an APIError."""

@@ -87,6 +87,7 @@ class Job:
     top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
     cancel: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str = CANCELLED  # the finish reason a cancel ends it with
+    admitted: float | None = None  # perf_counter() when it entered the scheduler
 
 
 class QueueFull(Exception):
@@ -159,6 +160,16 @@ class Worker:
         """Requests waiting plus those running."""
         with self._cv:
             return len(self._waiting) + len(self._active)
+
+    @property
+    def running(self) -> int:
+        """Requests in the scheduler (prefilling or decoding)."""
+        return len(self._active)  # (one read of a dict's size: no lock needed)
+
+    @property
+    def waiting(self) -> int:
+        """Requests in the queue, not yet admitted."""
+        return len(self._waiting)
 
     def start(self) -> None:
         if self._compute is None:  # (a thread of its own, ended by stop())
@@ -264,6 +275,7 @@ class Worker:
         except Exception as e:  # e.g. a prompt the engine refuses
             ended.append((job, self._failed(e)))
             return
+        job.admitted = time.perf_counter()
         self._active[seq] = _Active(job, seq, self.engine.tokenizer)
 
     def _deliver(self, a: _Active) -> Event | None:

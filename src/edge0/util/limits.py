@@ -13,3 +13,12 @@ COMPLETIONS_MAX_TOKENS = 16
 SHUTDOWN_GRACE_S = 5.0
 # requests `edge0 serve` decodes at once (each holds a KV cache for the whole context)
 SERVE_MAX_ACTIVE = 4
+
+# `edge0 serve`'s read timeouts (server/http.py): a request head must be in within
+# HEADER_TIMEOUT_S of its first byte, and its body within BODY_TIMEOUT_S of the head (1 MiB,
+# the default body limit, takes ~1 s at 1 MB/s); a connection idle for KEEP_ALIVE_S, new or
+# between requests, is closed. Longer than httpx's 5 s keep-alive expiry (the openai client's),
+# so that the client, not the server, closes an idle pooled connection
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+KEEP_ALIVE_S = 15.0
