@@ -155,11 +155,17 @@ def test_generate_and_chat_sample_with_the_models_defaults_as_the_server_does(tm
         return sampling_params(args, builtin.model_dir())
 
     model = SamplingDefaults.from_model_dir(builtin.model_dir())
-    assert (model.temperature, model.top_p) == (0.7, 0.95)
-    assert parsed() == SamplingParams(temperature=0.7, top_p=0.95, top_k=0)
-    assert parsed("--top-p", "0.5", "--seed", "3") == SamplingParams(0.7, 0.5, 0, 3)
+    assert (model.temperature, model.top_p, model.frequency_penalty) == (0.7, 0.95, 0.3)
+    shipped = dict(temperature=0.7, top_p=0.95, top_k=0, frequency_penalty=0.3)
+    assert parsed() == SamplingParams(**shipped)
+    assert parsed("--top-p", "0.5", "--seed", "3") == SamplingParams(
+        **{**shipped, "top_p": 0.5, "seed": 3}
+    )
+    assert parsed("--frequency-penalty", "0") == SamplingParams(
+        **{**shipped, "frequency_penalty": 0}
+    )
     assert parsed("--temperature", "0").greedy
     chat = build_parser().parse_args(["chat", "--sample-top-k", "40"])
-    assert sampling_params(chat, builtin.model_dir()) == SamplingParams(0.7, 0.95, 40)
+    assert sampling_params(chat, builtin.model_dir()) == SamplingParams(**{**shipped, "top_k": 40})
     bare = SamplingDefaults.from_model_dir(tmp_path)
     assert bare.resolve() == SamplingParams(temperature=1.0, top_p=1.0, top_k=0)

@@ -65,8 +65,8 @@ def request_fields(openapi: dict, path: str) -> set[str]:
     return set(openapi["components"]["schemas"][ref["$ref"].rsplit("/", 1)[1]]["properties"])
 
 
-# fields whose fuzzed values are nearly always refused (n must be 1, no penalties, ...)
-REFUSED_MOSTLY = ("n", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "best_of")
+# fields whose fuzzed values are nearly always refused (n must be 1, no logit_bias, ...)
+REFUSED_MOSTLY = ("n", "logit_bias", "suffix", "best_of")
 
 
 def repaired(path: str, body: dict) -> dict:

@@ -13,6 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).parent
 # the id `edge0 serve` gives it (GET /v1/models; a request's `model` names it)
 NAME = "edge0-builtin"
+# sampling defaults the shipped generation_config.json adds to the teacher's: without a
+# penalty the model's greedy text loops on one line (docs/builtin-model.md, "Sampling defaults")
+SAMPLING_DEFAULTS = {"frequency_penalty": 0.3}
 
 
 def model_dir() -> Path:
@@ -30,3 +33,12 @@ def teacher_dir() -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the built-in teacher is missing from {path}")
     return path
+
+
+def write_sampling_defaults(model: Path) -> None:
+    """Add SAMPLING_DEFAULTS to `model`'s generation_config.json."""
+    import json
+
+    path = model / "generation_config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**cfg, **SAMPLING_DEFAULTS}, indent=2) + "\n")

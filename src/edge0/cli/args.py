@@ -36,6 +36,10 @@ FLAGS = {
     "no_lora": "--no-lora",
     "lora_any_base": "--lora-any-base",
     "prerouter_any_base": "--prerouter-any-base",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
 }
 _FIELD = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
 
@@ -292,6 +296,31 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         "--top-k is the number of routed experts",
     )
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        help="drop tokens less probable than MIN_P times the most probable (0 = off)",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="divide the logit of every token already in the prompt or output by this "
+        "(multiply where negative); 1 = off",
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=None,
+        help="subtract this from the logit of every token generated so far (-2..2)",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=None,
+        help="subtract this times a token's count so far from its logit (-2..2)",
+    )
 
 
 def sampling_params(args: argparse.Namespace, model_dir: Path):
@@ -299,7 +328,16 @@ def sampling_params(args: argparse.Namespace, model_dir: Path):
     from edge0.engine.sampling import SamplingDefaults
 
     defaults = SamplingDefaults.from_model_dir(model_dir)
-    return defaults.resolve(args.temperature, args.top_p, args.sample_top_k, args.seed)
+    return defaults.resolve(
+        args.temperature,
+        args.top_p,
+        args.sample_top_k,
+        args.seed,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+    )
 
 
 def config_from_args(cls, args: argparse.Namespace, **renamed: str):

@@ -164,7 +164,9 @@ def ship(work: Path, timings: dict, machines: dict) -> None:
         for f in src.iterdir():
             if f.is_file() and f.name != modeldir.MANIFEST:
                 shutil.copy2(f, dst / f.name)
+    builtin.write_sampling_defaults(dst_model)
     manifest = modeldir.Manifest.load(work / "model")
+    manifest.hash_files(dst_model, ["generation_config.json"])
     manifest.source = {"teacher": "../teacher", "built_by": "make builtin-model"}
     manifest.served_top_k = SERVED_K
     manifest.served_stage_width = SERVED_STAGE_WIDTH

@@ -66,7 +66,8 @@ class Sequence:
                 f"the prompt's {len(prompt)} tokens plus max_tokens {max_tokens} exceed the "
                 f"context of {context} tokens (max_context)"
             )
-        self.prompt, self.max_tokens, self.sampler = prompt, max_tokens, Sampler(sampling)
+        self.prompt, self.max_tokens = prompt, max_tokens
+        self.sampler = Sampler(sampling, prompt)
         self.state = State.WAITING
         self.req: Request | None = None
         self.fed = 0  # prompt tokens in its cache, restored or prefilled

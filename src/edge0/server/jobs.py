@@ -38,7 +38,16 @@ log = logging.getLogger(__name__)
 def request_sampling(defaults: SamplingDefaults, req: CommonRequest) -> SamplingParams:
     """A request's sampling: its own fields over the model's defaults."""
     seed = None if req.seed is None else generator_seed(req.seed)
-    return defaults.resolve(req.temperature, req.top_p, req.top_k, seed)
+    return defaults.resolve(
+        req.temperature,
+        req.top_p,
+        req.top_k,
+        seed,
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+    )
 
 
 def generator_seed(seed: int) -> int:

@@ -2,7 +2,7 @@
 
 Strict types: a string where a number belongs is a 400, not a silent coercion. Unknown fields
 are ignored (clients send vendor extras), but known fields that ask for something edge0 does
-not do (n > 1, penalties, logit_bias, echo with logprobs, ...) are refused with a message
+not do (n > 1, logit_bias, echo with logprobs, ...) are refused with a message
 instead of being dropped quietly.
 """
 
@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from edge0.engine.sampling import MIN_REPETITION_PENALTY
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
@@ -174,8 +176,10 @@ class CommonRequest(Model):
     stream: bool | None = False  # null is accepted, as by the OpenAI API
     stream_options: StreamOptions | None = None
     n: int | None = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    min_p: float | None = Field(None, ge=0, le=1)  # as in vLLM and llama.cpp's server
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=10)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -199,13 +203,6 @@ class CommonRequest(Model):
     def _one_choice(cls, v: int | None) -> int | None:
         if v not in (None, 1):
             raise ValueError(f"n must be 1 (edge0 generates one choice per request), got {v}")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("penalties are not supported; leave them out or send 0")
         return v
 
     @field_validator("logit_bias")
