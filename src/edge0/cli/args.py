@@ -136,8 +136,9 @@ def add_engine_args(
         g.add_argument(
             "--no-batch-decode",
             action="store_true",
-            help="run the active requests' decode steps one forward each, in turn (each "
-            "request's logits bit-for-bit those it gets alone), not in one forward",
+            help="run every forward for one request, in turn: no decode step or prompt "
+            "prefill of several requests in one forward (each request's logits are then bit "
+            "for bit those it gets alone, whatever else runs)",
         )
     if prefix_cache:
         g.add_argument(

@@ -36,8 +36,9 @@ class EngineOptions:
     max_context: int = 4096  # sizes the KV part of the resident floor
     # requests decoding at once: each holds its own state at max_context and staging room
     max_active: int = 1
-    # decode steps of the active requests run in one forward (each row its own state); off,
-    # they run one forward each in turn (each request's logits bit-for-bit its solo ones)
+    # decode steps of the active requests run in one forward (each row its own state), and
+    # fresh prompts prefill in one; off, every forward is one request's, in turn, and each
+    # request's logits are bit for bit those it gets alone
     batch_decode: bool = True
     # bytes of finished requests' state kept for prefix reuse (0: none; None: one request's
     # state at max_context, so a conversation's last turn always fits)

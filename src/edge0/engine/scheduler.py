@@ -9,9 +9,13 @@ RoundRobin, the default, takes the active requests in turn, one forward each: a 
 (at most prefill_chunk tokens) or a decode step, so no request holds the engine while another
 waits and a long prompt shares it chunk by chunk. A request admitted since the last turn goes
 first, and every other one not started joins it: their prompts (each within one chunk)
-prefill in one forward, unless a restored prefix saves more (`reuse_beats_batch`). When a
-decoding request's turn comes, every decoding one joins its step in one forward (batch_decode)
-and all of them go to the back of the line.
+prefill in one forward (batch_prefill), unless a restored prefix saves more
+(`reuse_beats_batch`). When a decoding request's turn comes, every decoding one joins its step
+in one forward (batch_decode) and all of them go to the back of the line.
+
+A forward of several rows rounds differently from a forward of one, so only with both off is
+each request's every logit bit for bit the one it gets alone, whatever else runs (a restored
+prefix, and a prompt in chunks, give the same bits as a prompt prefilled whole).
 """
 
 from __future__ import annotations
@@ -120,7 +124,8 @@ class RoundRobin:
         fresh = [s for s in sched.active if not s.started]
         if fresh:
             sched.to_back(fresh[:1])
-            return Turn(prefill=fresh if len(fresh) > 1 else [], solo=fresh[0])
+            together = fresh if len(fresh) > 1 and sched.batch_prefill else []
+            return Turn(prefill=together, solo=fresh[0])
         first = sched.active[0]
         sched.to_back([first])
         if sched.batch_decode and first.state is State.DECODING:
@@ -154,11 +159,13 @@ class Scheduler:
         batch_decode: bool | None = None,
         prefill_chunk: int | None = None,
         policy=None,
+        batch_prefill: bool | None = None,
     ):
         self.engine = engine
         self.max_active = max_active or engine.plan.max_active
         opts = engine.options
         self.batch_decode = opts.batch_decode if batch_decode is None else batch_decode
+        self._batch_prefill = batch_prefill
         self.prefill_chunk = prefill_chunk or opts.prefill_chunk
         self.policy = policy or RoundRobin()
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -167,6 +174,11 @@ class Scheduler:
         # a short prompt's prefill forward of its own, and a prompt token's seconds in a batch
         self.short_prefill_s = MovingAverage()
         self.prompt_token_s = MovingAverage()
+
+    @property
+    def batch_prefill(self) -> bool:
+        """Whether fresh prompts prefill in one forward: as batch_decode unless set."""
+        return self.batch_decode if self._batch_prefill is None else self._batch_prefill
 
     def add(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Sequence:
         """A new waiting sequence (ValueError for one the engine cannot run)."""
