@@ -156,8 +156,8 @@ class ScriptedScheduler:
     def room(self) -> bool:
         return len(self.active) < self.max_active
 
-    def add(self, prompt, max_tokens, sampling) -> Sequence:
-        seq = Sequence(prompt, max_tokens, sampling, self.fake.max_context)
+    def add(self, prompt, max_tokens, sampling, score_top=None) -> Sequence:
+        seq = Sequence(prompt, max_tokens, sampling, self.fake.max_context, score_top)
         self.fake.prompts.append(list(prompt))
         ids = self.fake.tokenizer.encode(self.fake.script, add_special_tokens=False)
         seq.script, seq.more = iter(ids[:max_tokens]), len(ids) > max_tokens
@@ -565,7 +565,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, 2, 10**9]}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 is for scoring a prompt (echo)
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
 ]

@@ -42,8 +42,8 @@ class Capped(Wrapped):
 
 
 class CappedScheduler(Wrapped):
-    def add(self, prompt, max_tokens, sampling):
-        return self._engine.add(prompt, min(max_tokens, 3), sampling)
+    def add(self, prompt, max_tokens, sampling, score_top=None):
+        return self._engine.add(prompt, min(max_tokens, 3), sampling, score_top)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,6 @@ def repaired(path: str, body: dict) -> dict:
         body.pop("tool_choice", None)
     else:
         body["prompt"] = "def add(a, b):"
-        body.pop("echo", None)
     return body
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from edge0 import modeldir
 from edge0.cli.args import config_from_args, default_model_dir, default_teacher_dir
+from edge0.engine.options import EngineOptions
 from edge0.engine.plan import resolve_top_k
 from edge0.util import memory
 
@@ -302,6 +303,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.json:
             evaluate.dump(r, args.json)
         return 0
+    if target and target[0] == "served":
+        return _eval_served(args, Path(target[1]) if len(target) > 1 else default_model_dir())
     model_dir = Path(target[0]) if target else default_model_dir()
     teacher = args.teacher or default_teacher_dir(model_dir)
     cfg = evaluate.EvalConfig(
@@ -323,13 +326,66 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_served(args: argparse.Namespace, model_dir: Path) -> int:
+    """`edge0 eval served`: documents scored by the engine as the server scores a prompt."""
+    import json
+
+    from edge0.engine.load import load_engine
+    from edge0.engine.options import EngineOptions
+    from edge0.engine.scoring import score_documents
+
+    if args.documents is None:
+        raise ValueError("eval served needs --documents FILE.jsonl")
+    texts = []
+    for i, line in enumerate(args.documents.read_text().splitlines()):
+        if line.strip():
+            doc = json.loads(line)
+            if not isinstance(doc.get(args.field), str):
+                raise ValueError(f"{args.documents}:{i + 1}: no string field {args.field!r}")
+            texts.append(doc[args.field])
+    opts = EngineOptions(top_k=args.top_k, prefill_chunk=args.prefill_chunk)
+    engine = load_engine(model_dir, opts)
+    try:
+        scores = score_documents(engine, texts, progress=not args.quiet)
+    finally:
+        engine.close()
+    result = {
+        "model": str(model_dir),
+        "documents": len(texts),
+        "loglikelihood": scores.loglikelihood,
+        "tokens": scores.tokens,
+        "words": scores.words,
+        "bytes": scores.bytes,
+        **scores.metrics(),
+    }
+    for k, v in result.items():
+        print(f"{k:18s} {v:.6g}" if isinstance(v, float) else f"{k:18s} {v}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def add_eval_parser(sub) -> None:
     e = sub.add_parser(
         "eval",
         help="quality of every approximation against the teacher; "
         "`eval lora-retention` prices merging the LoRA",
     )
-    e.add_argument("target", nargs="*", help="[MODEL_DIR] or lora-retention [MODEL_DIR]")
+    e.add_argument(
+        "target",
+        nargs="*",
+        help="[MODEL_DIR], lora-retention [MODEL_DIR], or served [MODEL_DIR] (score "
+        "--documents through the engine, as the server's /v1/completions echo+logprobs does)",
+    )
+    e.add_argument("--documents", type=Path, default=None, help="served: a JSONL file of documents")
+    e.add_argument("--field", default="text", help="served: the documents' text field")
+    e.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=EngineOptions.prefill_chunk,
+        help="served: prompt tokens per forward, as the server's flag (the same value gives "
+        "the server's numbers bit for bit)",
+    )
     e.add_argument("--teacher", type=Path, default=None)
     e.add_argument("--data", nargs="+", default=["stdlib"])
     e.add_argument("--top-k", type=int, default=None, help="served K")

@@ -175,16 +175,22 @@ class Engine:
             )
 
     @torch.inference_mode()
-    def prefill(self, req: Request, ids: list[int], last: bool = True) -> torch.Tensor:
-        """Run prompt tokens (appended to the request's state); returns the last logits [V].
-        A prompt may come in several calls; `last=False` says more of it follows, so the heads
-        wait for the end of the prompt to predict (and stage) the first decode token."""
+    def prefill(
+        self, req: Request, ids: list[int], last: bool = True, every_position: bool = False
+    ) -> torch.Tensor:
+        """Run prompt tokens (appended to the request's state); returns the last logits [V],
+        or with `every_position` each token's [T, V] (a scored prompt: the routing is the
+        same, the LM head runs on every row). A prompt may come in several calls;
+        `last=False` says more of it follows, so the heads wait for the end of the prompt to
+        predict (and stage) the first decode token."""
         if not ids:
             raise ValueError("the prompt is empty")
         self.check_context(req, len(ids))
         x = torch.tensor([ids], dtype=torch.long)
         with self.whole_layers(len(ids)) as executors:
-            logits = decode.prefill(self.model, req.cache, x, req.pre, executors, last)
+            logits = decode.prefill(
+                self.model, req.cache, x, req.pre, executors, last, every_position
+            )
         if req.exact == len(req.tokens):
             req.exact += len(ids)
         req.tokens += ids

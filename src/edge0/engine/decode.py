@@ -27,11 +27,14 @@ def prefill(
     pre: PrerouterState | None = None,
     executors: dict[int, Executor] | None = None,
     last: bool = True,
+    every_position: bool = False,
 ) -> torch.Tensor:
-    """ids [B, T] -> the last position's logits [B, V]; predictions for the next token made,
-    unless more of the prompt follows (`last=False`)."""
+    """ids [B, T] -> the last position's logits [B, V] (every position's, [B, T, V], for
+    scoring a prompt); predictions for the next token made, unless more of the prompt follows
+    (`last=False`)."""
     fwd = Forward(cache, observer=pre.observe if pre else None, executors=executors)
-    logits = model(ids, fwd, last_only=True)[:, -1]
+    logits = model(ids, fwd, last_only=not every_position)
+    logits = logits if every_position else logits[:, -1]
     if pre is not None and last:
         pre.flush()  # heads on the last prompt position: the first decode token is predicted
     return logits

@@ -31,6 +31,7 @@ from edge0.engine.core import Engine
 from edge0.engine.generation import Generation
 from edge0.engine.request import Request
 from edge0.engine.sampling import Sampler, SamplingParams
+from edge0.engine.scoring import ScoredToken, score
 from edge0.engine.stats import EngineStats, GenerationStats
 from edge0.formats.integrity import ModelDataError
 from edge0.util import memory
@@ -60,8 +61,15 @@ class Sequence:
     `out` holds (token, logprobs [V]) pairs sampled and not yet taken; logprobs are those of
     the logits the token was drawn from (before temperature)."""
 
-    def __init__(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, context):
-        if max_tokens < 1:
+    def __init__(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        context,
+        score_top: int | None = None,
+    ):
+        if max_tokens < (0 if score_top is not None else 1):
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -82,6 +90,14 @@ class Sequence:
         self.error: BaseException | None = None  # its forward failed (it is DONE)
         self.stats: GenerationStats | None = None  # once DONE
         self._clock = _Clock()
+        # a scored prompt: its tokens after the first, each with its logprob and score_top
+        # most likely alternatives at that position (engine.scoring)
+        self.score_top = score_top
+        self.prompt_scores: list[ScoredToken] = []
+        self._last_row: torch.Tensor | None = None  # the previous chunk's last logits
+        # the end-of-text token a scored prompt's generation drew, with its logprobs [V]
+        # (vLLM reports it; lm-evaluation-harness expects an entry for the drawn token)
+        self.ended_on: tuple[int, torch.Tensor] | None = None
 
     @property
     def started(self) -> bool:
@@ -180,9 +196,17 @@ class Scheduler:
         """Whether fresh prompts prefill in one forward: as batch_decode unless set."""
         return self.batch_decode if self._batch_prefill is None else self._batch_prefill
 
-    def add(self, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Sequence:
-        """A new waiting sequence (ValueError for one the engine cannot run)."""
-        seq = Sequence(prompt, max_tokens, sampling, self.engine.max_context)
+    def add(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        score_top: int | None = None,
+    ) -> Sequence:
+        """A new waiting sequence (ValueError for one the engine cannot run). With
+        `score_top` its prompt is scored as it prefills (Sequence.prompt_scores), and
+        max_tokens may be 0."""
+        seq = Sequence(prompt, max_tokens, sampling, self.engine.max_context, score_top)
         self.waiting.append(seq)
         return seq
 
@@ -248,6 +272,8 @@ class Scheduler:
     def _start(self, seq: Sequence, reuse: bool = True, before: EngineStats | None = None):
         """Its request, holding what the prefix cache restored of its prompt (none: reuse
         False); its clock starts."""
+        # a scored prompt needs every position's logits: nothing restored
+        reuse = reuse and seq.score_top is None
         seq.req = self.engine.new_request(seq.prompt, reuse=reuse)
         seq.fed = seq.req.position
         seq._clock.before = before or self.engine.stats()
@@ -262,7 +288,10 @@ class Scheduler:
             ids = seq.prompt[seq.fed : seq.fed + self.prefill_chunk]
             seq.fed += len(ids)
             t0 = time.perf_counter()
-            logits = eng.prefill(seq.req, ids, last=seq.fed == len(seq.prompt))
+            scored = seq.score_top is not None
+            logits = eng.prefill(seq.req, ids, seq.fed == len(seq.prompt), every_position=scored)
+            if scored:
+                logits = self._score(seq, ids, logits)
             seconds = time.perf_counter() - t0
             clock.prefill_s += seconds
             if len(ids) <= SHORT_PREFILL:
@@ -276,6 +305,21 @@ class Scheduler:
         clock.steps += 1
         self._sample(seq, logits)
 
+    def _score(self, seq: Sequence, ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Score a prompt chunk from its every position's logits [T, V] (the previous chunk's
+        last row scores this chunk's first token); returns the last row."""
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogits(
+                "the model computed non-finite logits (NaN or Inf) for this prompt: its "
+                "weights are likely damaged; run `edge0 verify` on the model directory"
+            )
+        last = seq._last_row
+        rows = logits[:-1] if last is None else torch.cat([last[None], logits[:-1]])
+        targets = ids[1:] if last is None else ids
+        seq.prompt_scores += score(rows, targets, seq.score_top or 0)
+        seq._last_row = logits[-1]
+        return logits[-1]
+
     def _prefill_together(self, seqs: list[Sequence]) -> None:
         """Prefill, in one forward, the prompts of those `seqs` that fit one chunk (each then
         samples its first token); the others are left to prefill themselves. Seven chat
@@ -285,7 +329,11 @@ class Scheduler:
         eng = self.engine
         if eng.recurrent:
             return
-        fresh = [s for s in seqs if not s.started and len(s.prompt) <= self.prefill_chunk]
+        fresh = [
+            s
+            for s in seqs
+            if not s.started and len(s.prompt) <= self.prefill_chunk and s.score_top is None
+        ]
         if len(fresh) < 2:
             return
         before = eng.stats()
@@ -337,8 +385,13 @@ class Scheduler:
         if seq.state is State.PREFILLING:
             seq._clock.mid = self.engine.stats()
             seq.state = State.DECODING
+        if seq.max_tokens == 0:  # a scored prompt, nothing to generate
+            self._end(seq, "length")
+            return
         token = seq.sampler(logits)
         if token in self.engine.eos:
+            if seq.score_top is not None:  # a scored prompt reports what it ended on
+                seq.ended_on = (token, torch.log_softmax(logits, dim=-1))
             self._end(seq, "stop")
             return
         seq.tokens.append(token)

@@ -45,7 +45,18 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     # off the event loop: a long prompt takes seconds to tokenize, and streams must flow
     ids, text = await run_in_threadpool(prompt_ids, state, body)
     requested = body.max_tokens if body.max_tokens is not None else COMPLETIONS_MAX_TOKENS
-    max_tokens = token_budget(requested, len(ids), state.context, None, "prompt")
+    if requested == 0:  # a scored prompt alone: it needs no room after it
+        if len(ids) > state.context:
+            raise bad_request(
+                f"the prompt is {len(ids)} tokens, more than this model's context window of "
+                f"{state.context} tokens; shorten the prompt",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = 0
+    else:
+        max_tokens = token_budget(requested, len(ids), state.context, None, "prompt")
+    scored = body.scores_prompt()
     pending = state.submit(
         ENDPOINT,
         prompt=ids,
@@ -53,6 +64,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
         sampling=request_sampling(state.sampling, body),
         stop=body.stop_list(),
         top_logprobs=body.logprobs,
+        score_prompt=body.logprobs if scored else None,
     )
     meta = {"id": new_id("cmpl"), "created": now(), "model": state.model_name}
     echo = text if body.echo else ""
@@ -62,7 +74,11 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     logprobs = None
     if body.logprobs is not None:
         entries = [lp for t in tokens for lp in t.logprobs] + done.logprobs
-        logprobs = legacy_logprobs(state.strings, entries, len(echo))
+        if scored:  # the prompt's entries first, their offsets from the start of the echo
+            first = tokens[0] if tokens else done
+            logprobs = legacy_logprobs(state.strings, (first.prompt_logprobs or []) + entries, 0)
+        else:
+            logprobs = legacy_logprobs(state.strings, entries, len(echo))
     choice = {
         "index": 0,
         "text": echo + "".join(t.text for t in tokens) + done.text,
@@ -101,10 +117,14 @@ async def _stream(state, body, pending, meta, n_prompt, echo):
         return sse(c)
 
     outcome = CANCELLED
+    scored = body.scores_prompt()
     try:
-        if echo:
+        if echo and not scored:
             yield chunk(echo, [])
         async for event in pending:
+            if scored and not isinstance(event, Failed) and event.prompt_logprobs is not None:
+                offset = 0  # the echo, with its tokens' logprobs, once the prompt is scored
+                yield chunk(echo, event.prompt_logprobs)
             if isinstance(event, Token):
                 if event.text:  # logprobs come only with text (see worker.Token)
                     yield chunk(event.text, event.logprobs)

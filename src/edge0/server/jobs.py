@@ -98,6 +98,7 @@ class Pending:
         sampling: SamplingParams,
         stop: list[str],
         top_logprobs: int | None,
+        score_prompt: int | None = None,
     ):
         self.worker = worker
         self.loop = asyncio.get_running_loop()
@@ -110,6 +111,7 @@ class Pending:
         self.failure: str | None = None  # a Failed event's message
         self.log: RequestRecord | None = current()  # the request's log line (requestlog.py)
         self.job = Job(prompt, max_tokens, sampling, self._sink, stop, top_logprobs)
+        self.job.score_prompt = score_prompt
         try:
             worker.submit(self.job)
         except QueueFull as e:

@@ -16,6 +16,8 @@ from functools import lru_cache
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from edge0.engine.scoring import ScoredToken
+
 # JSON has no -Infinity; the OpenAI API reports a token with no mass like this
 FLOOR = -9999.0
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
@@ -24,8 +26,18 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
 @dataclass
 class TokenLogprob:
     token: int
-    logprob: float
-    top: list[tuple[int, float]]  # most likely tokens at this step, best first
+    logprob: float | None  # None: a prompt's first token, which nothing scores
+    top: list[tuple[int, float]] | None  # most likely tokens at this step, best first
+
+
+def prompt_logprobs(prompt: list[int], scores: list[ScoredToken]) -> list[TokenLogprob]:
+    """A scored prompt's entries: its first token unscored, then each with its logprob."""
+    first = TokenLogprob(prompt[0], None, None)
+    rest = [
+        TokenLogprob(s.token, _finite(s.logprob), [(t, _finite(v)) for t, v in s.top])
+        for s in scores
+    ]
+    return [first, *rest]
 
 
 def token_logprob(logits: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
@@ -123,7 +135,7 @@ def legacy_logprobs(strings: TokenStrings, entries: list[TokenLogprob], offset: 
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [_by_text(strings, e.top) for e in entries],
+        "top_logprobs": [None if e.top is None else _by_text(strings, e.top) for e in entries],
         "text_offset": offsets,
     }
 

@@ -2,7 +2,7 @@
 
 Strict types: a string where a number belongs is a 400, not a silent coercion. Unknown fields
 are ignored (clients send vendor extras), but known fields that ask for something edge0 does
-not do (n > 1, logit_bias, echo with logprobs, ...) are refused with a message
+not do (n > 1, logit_bias, suffix, ...) are refused with a message
 instead of being dropped quietly.
 """
 
@@ -252,6 +252,7 @@ class ChatCompletionRequest(CommonRequest):
 
 class CompletionRequest(CommonRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt (echo), generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
@@ -271,11 +272,17 @@ class CompletionRequest(CommonRequest):
             raise cross_field("suffix", "suffix (fill-in-the-middle) is not supported")
         if self.best_of not in (None, 1):
             raise cross_field("best_of", "best_of must be 1")
-        if self.echo and self.logprobs is not None:
+        if self.max_tokens == 0 and not self.echo:
             raise cross_field(
-                "echo", "echo with logprobs needs prompt logprobs, which edge0 does not score"
+                "max_tokens",
+                "max_tokens 0 generates nothing; it is for scoring a prompt, "
+                "with echo: true and logprobs",
             )
         return self
+
+    def scores_prompt(self) -> bool:
+        """echo + logprobs: the prompt's tokens come back with their logprobs."""
+        return bool(self.echo) and self.logprobs is not None
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt

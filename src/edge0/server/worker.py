@@ -30,7 +30,7 @@ from edge0.engine.sampling import SamplingParams
 from edge0.engine.scheduler import Sequence
 from edge0.engine.stats import GenerationStats
 from edge0.server.arrivals import Arrivals
-from edge0.server.logprobs import HeldLogprobs, TokenLogprob, token_logprob
+from edge0.server.logprobs import HeldLogprobs, TokenLogprob, prompt_logprobs, token_logprob
 from edge0.text.stops import StopMatcher
 from edge0.text.tokenizer import IncrementalDecoder
 from edge0.util.threads import ComputeThread
@@ -56,6 +56,7 @@ class Token:
     token: int
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # a scored prompt's, on its first event
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Done:
     completion_tokens: int
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # those of `text`
+    prompt_logprobs: list[TokenLogprob] | None = None  # a scored prompt's, if no Token came
 
 
 @dataclass
@@ -85,6 +87,8 @@ class Job:
     sink: Callable[[Event], None]  # called on the generation thread; must not block
     stop: list[str] = field(default_factory=list)
     top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
+    # score the prompt (its tokens' logprobs and this many alternatives); max_tokens may be 0
+    score_prompt: int | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str = CANCELLED  # the finish reason a cancel ends it with
     admitted: float | None = None  # perf_counter() when it entered the scheduler
@@ -105,6 +109,16 @@ class _Active:
         self.stops = StopMatcher(job.stop)
         self.held = HeldLogprobs()
         self.started = time.perf_counter()
+        self._prompt_sent = False
+
+    def prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The scored prompt's entries, once: for the first event after its prefill."""
+        if self._prompt_sent or self.job.score_prompt is None or not self.seq.started:
+            return None
+        if self.seq.fed < len(self.seq.prompt):
+            return None
+        self._prompt_sent = True
+        return prompt_logprobs(self.seq.prompt, self.seq.prompt_scores)
 
 
 def _report_end(loop: Future) -> None:
@@ -271,7 +285,7 @@ class Worker:
             ended.append((job, Done(job.cancel_reason, "", 0)))
             return
         try:
-            seq = self.scheduler.add(job.prompt, job.max_tokens, job.sampling)
+            seq = self.scheduler.add(job.prompt, job.max_tokens, job.sampling, job.score_prompt)
         except Exception as e:  # e.g. a prompt the engine refuses
             ended.append((job, self._failed(e)))
             return
@@ -291,7 +305,7 @@ class Worker:
                     lp = token_logprob(logprobs, token, job.top_logprobs)
                 decoded = a.decoder.push(token)
                 text = a.stops.push(decoded)
-                job.sink(Token(token, text, a.held.push(lp, decoded, text)))
+                job.sink(Token(token, text, a.held.push(lp, decoded, text), a.prompt_logprobs()))
                 if a.stops.stopped:
                     break
             if not (seq.done or a.stops.stopped or job.cancel.is_set()):
@@ -319,7 +333,9 @@ class Worker:
         else:
             reason = seq.finish_reason
         logprobs = a.held.finish(tail, stops.stopped)
-        return Done(reason, tail, len(seq.tokens), seq.stats, logprobs)
+        if seq.ended_on is not None and job.top_logprobs is not None and not stops.stopped:
+            logprobs.append(token_logprob(seq.ended_on[1], seq.ended_on[0], job.top_logprobs))
+        return Done(reason, tail, len(seq.tokens), seq.stats, logprobs, a.prompt_logprobs())
 
     def _failed(self, e: BaseException) -> Failed:
         log.error(
