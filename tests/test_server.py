@@ -986,3 +986,28 @@ def test_binding_beyond_loopback_without_a_key_warns(caplog):
         caplog.clear()
         check_bind(host, key)
         assert ("--api-key" in caplog.text) == warns, host
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(base, engine):
+    """/tokenize counts a raw prompt's tokens, or a conversation's exactly as the chat endpoint
+    renders it (its usage.prompt_tokens); /detokenize turns ids back into the text."""
+    tok = engine.tokenizer
+    r = httpx.post(f"{base}/tokenize", json={"model": "tiny", "prompt": "def add(a, b):"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode("def add(a, b):") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == engine.max_context
+    chat = httpx.post(f"{base}/tokenize", json={"messages": USER}).json()
+    used = httpx.post(f"{base}/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
+    assert chat["count"] == used.json()["usage"]["prompt_tokens"]
+    back = httpx.post(f"{base}/detokenize", json={"tokens": body["tokens"]}).json()
+    assert back == {"prompt": "def add(a, b):"}
+    for path, bad, param in [
+        ("/tokenize", {"prompt": "x", "messages": USER}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, "model"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "12"}, "tokens"),
+    ]:
+        r = httpx.post(f"{base}{path}", json=bad)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text

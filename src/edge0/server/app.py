@@ -17,13 +17,18 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from edge0.engine.sampling import SamplingDefaults
-from edge0.server import chat_api, completions_api, errors
+from edge0.server import chat_api, completions_api, errors, tokenize_api
 from edge0.server.arrivals import Arrivals, CountArrivals
 from edge0.server.failsafe import Failsafe
 from edge0.server.logprobs import TokenStrings
 from edge0.server.metrics import Metrics
 from edge0.server.middleware import Guard
-from edge0.server.protocol import ChatCompletionRequest, CompletionRequest
+from edge0.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from edge0.server.requestlog import RequestLog
 from edge0.server.state import ServerState
 from edge0.server.worker import Worker
@@ -148,6 +153,14 @@ def create_app(
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: Request) -> Response:
         return await completions_api.completions(state, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return await tokenize_api.tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return await tokenize_api.detokenize(state, body)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -289,3 +289,30 @@ class CompletionRequest(CommonRequest):
         if isinstance(p, list) and p and isinstance(p[0], str | list):
             return p[0]
         return p
+
+
+class TokenizeRequest(Model):
+    """POST /tokenize (vLLM's): a raw `prompt`, or chat `messages` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = True  # the raw prompt's (a chat template writes its own)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text_and_depth(cls, v: Any, info: ValidationInfo) -> Any:
+        return check_json(v, info.field_name or "body")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise cross_field("prompt", "send either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(Model):
+    model: str | None = None
+    tokens: list[int]
