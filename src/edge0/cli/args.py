@@ -298,6 +298,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=None)
     g.add_argument(
+        "--json-schema",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="answer with JSON valid against the schema in FILE (constrained decoding)",
+    )
+    g.add_argument(
         "--min-p",
         type=float,
         default=None,
@@ -339,6 +346,29 @@ def sampling_params(args: argparse.Namespace, model_dir: Path):
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
     )
+
+
+def constrained(sampling, args: argparse.Namespace, engine):
+    """`sampling` with the grammar of --json-schema, if given (GrammarError names the part
+    of the schema that does not compile)."""
+    import dataclasses
+    import json
+
+    from edge0.engine.grammar import Grammars, json_schema_grammar
+
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return sampling
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--json-schema {path}: {e}") from e
+    grammars = Grammars(engine.tokenizer, engine.config.vocab_size)
+    try:
+        grammar = grammars.compile(json_schema_grammar(schema))
+    except Exception as e:  # the compiler's message names what it cannot take
+        raise ValueError(f"--json-schema {path} cannot be compiled into a grammar: {e}") from e
+    return dataclasses.replace(sampling, grammar=grammar)
 
 
 def config_from_args(cls, args: argparse.Namespace, **renamed: str):

@@ -246,7 +246,7 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None):
-    from edge0.cli.args import default_model_dir, engine_options, sampling_params
+    from edge0.cli.args import constrained, default_model_dir, engine_options, sampling_params
     from edge0.engine.load import load_engine
 
     stdin = stdin if stdin is not None else sys.stdin  # None when started without one
@@ -257,7 +257,9 @@ def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO 
     kwargs = {} if args.thinking is None else {"enable_thinking": args.thinking}
     engine = load_engine(args.model_dir or default_model_dir(), opts)
     try:
-        sampling = sampling_params(args, engine.path)
+        sampling = constrained(sampling_params(args, engine.path), args, engine)
+        if sampling.grammar is not None:  # the answer is the JSON from its first token
+            kwargs.setdefault("enable_thinking", False)
         session = ChatSession(engine, sampling, args.max_tokens, args.system, kwargs)
         interactive = stdin is not None and stdin.isatty()
         if args.prompt is None and interactive:

@@ -18,6 +18,7 @@ from edge0.cli.args import (
     add_engine_args,
     add_sampling_args,
     config_from_args,
+    constrained,
     default_model_dir,
     engine_options,
     prefix_cache_size,
@@ -83,7 +84,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         prompt = engine.tokenizer.encode(args.prompt)
         decoder = IncrementalDecoder(engine.tokenizer)
-        result = engine.generate(prompt, args.max_tokens, sampling_params(args, engine.path))
+        sampling = constrained(sampling_params(args, engine.path), args, engine)
+        result = engine.generate(prompt, args.max_tokens, sampling)
         sys.stdout.write(args.prompt)
         for token, _ in result:
             sys.stdout.write(decoder.push(token))

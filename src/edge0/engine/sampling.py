@@ -26,8 +26,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from edge0.engine.grammar import CompiledGrammar
 
 # a smaller penalty divides a logit into float32 overflow (inf, then NaN probabilities)
 MIN_REPETITION_PENALTY = 0.01
@@ -43,6 +47,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # constrained decoding (engine/grammar.py): only tokens the grammar allows are drawn
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -90,6 +96,7 @@ class Sampler:
             self.generator.seed()
         self._prompt = list(prompt or [])
         self._tokens: _TokenCounts | None = None  # made at the first penalised draw
+        self.constraint = params.grammar.constraint() if params.grammar is not None else None
 
     def penalized_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [V] (float32) after the repetition, presence and frequency penalties.
@@ -154,12 +161,19 @@ class Sampler:
         return torch.full_like(logits, float("-inf"), dtype=x.dtype).index_put_((ids,), x)
 
     def __call__(self, logits: torch.Tensor) -> int:
+        c = self.constraint
+        if c is not None:
+            if c.stopped:  # the grammar is complete: the answer ends
+                return c.eos
+            logits = c.allowed(logits)
         if self.params.greedy:
             token = int(torch.argmax(self.penalized_logits(logits)))
         else:
             token = self._draw(*self.candidates(logits))
         if self._tokens is not None:
             self._tokens.add(token)
+        if c is not None:
+            c.consume(token)
         return token
 
     def _draw(self, x: torch.Tensor, ids: torch.Tensor | None) -> int:

@@ -6,18 +6,26 @@ up to the non-streamed message.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from edge0.engine.grammar import (
+    CompiledGrammar,
+    json_object_grammar,
+    json_schema_grammar,
+    lark_literal,
+    tool_call_grammar,
+)
 from edge0.server.errors import bad_request, error_body
 from edge0.server.jobs import EventStream, request_sampling, shutting_down, sse, token_budget
 from edge0.server.logprobs import TokenLogprob
-from edge0.server.protocol import ChatCompletionRequest
+from edge0.server.protocol import ChatCompletionRequest, NamedToolChoice
 from edge0.server.state import ServerState, new_id, now
-from edge0.server.tools import ToolCallParser, forced_prefix
+from edge0.server.tools import CLOSE, OPEN, ToolCallParser, forced_prefix
 from edge0.server.worker import CANCELLED, SHUTTING_DOWN, Done, Failed, Token
 from edge0.text.prompt import ChatPrompt, template_messages
 from edge0.text.reasoning import REASONING, ThinkSplitter
@@ -71,6 +79,53 @@ class ChatOutput:
         return "tool_calls" if self.calls and done.finish_reason == "stop" else done.finish_reason
 
 
+def forced_tools(body: ChatCompletionRequest, tools: list[dict] | None) -> list[dict] | None:
+    """The tools a forced tool_choice allows (None: the choice is the model's)."""
+    if not tools:
+        return None
+    if body.tool_choice == "required":
+        return tools
+    if isinstance(body.tool_choice, NamedToolChoice):
+        name = body.tool_choice.function.name
+        return [t for t in tools if t["function"]["name"] == name]
+    return None
+
+
+async def request_grammar(
+    state: ServerState, body: ChatCompletionRequest, tools: list[dict] | None
+) -> CompiledGrammar | None:
+    """The grammar a request's reply must follow: a forced tool call (in the template's JSON
+    tool-call format), or response_format's JSON; None for free text. A schema the grammar
+    compiler refuses is a 400 naming it."""
+    forced = forced_tools(body, tools)
+    fmt = body.response_format
+    if forced is not None and state.template.tool_format == "json":
+        tok = state.tokenizer
+        parallel = body.tool_choice == "required" and body.parallel_tool_calls is not False
+        param = "tools"
+
+        def text() -> str:
+            return tool_call_grammar(
+                forced, lark_literal(tok, OPEN), lark_literal(tok, CLOSE), parallel
+            )
+    elif fmt is not None and fmt.type == "json_object":
+        param = "response_format"
+        text = json_object_grammar
+    elif fmt is not None and fmt.type == "json_schema":
+        param = "response_format"
+        schema = fmt.json_schema.schema_ if fmt.json_schema else None
+
+        def text() -> str:
+            return json_schema_grammar(schema if schema is not None else {"type": "object"})
+    else:
+        return None
+    try:
+        return await run_in_threadpool(lambda: state.grammars.compile(text()))
+    except Exception as e:  # the compiler's own errors name what it cannot take
+        part = "response_format.json_schema.schema" if param == "response_format" else param
+        raise bad_request(f"{part} cannot be compiled into a grammar: {e}", param=param) from e
+
+
 async def chat_completions(
     state: ServerState, body: ChatCompletionRequest, request: Request
 ) -> Response:
@@ -82,8 +137,11 @@ async def chat_completions(
     tools = None
     if body.tools and body.tool_choice != "none":
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    prefix = forced_prefix(body.tool_choice, template.tool_format) if tools else ""
-    if prefix:  # a forced call starts the reply at once: no think block before it
+    grammar = await request_grammar(state, body, tools)
+    prefix = ""
+    if tools and grammar is None:  # a format no grammar is written for: open the call
+        prefix = forced_prefix(body.tool_choice, template.tool_format)
+    if prefix or grammar is not None:  # the reply starts with the call or the JSON at once
         kwargs.setdefault("enable_thinking", False)
     try:
         template.check_kwargs(kwargs)
@@ -104,7 +162,7 @@ async def chat_completions(
         ENDPOINT,
         prompt=prompt.ids,
         max_tokens=max_tokens,
-        sampling=request_sampling(state.sampling, body),
+        sampling=dataclasses.replace(request_sampling(state.sampling, body), grammar=grammar),
         stop=body.stop_list(),
         top_logprobs=top,
     )

@@ -159,8 +159,24 @@ class NamedToolChoice(Model):
     function: FunctionName
 
 
+class JsonSchemaFormat(Model):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # every schema is enforced by the grammar, strict or not
+
+
 class ResponseFormat(Model):
-    type: Literal["text"]
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {name, schema}")
+        return self
 
 
 class CommonRequest(Model):

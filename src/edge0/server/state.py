@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import dataclass
 
+from edge0.engine.grammar import Grammars
 from edge0.engine.sampling import SamplingDefaults
 from edge0.server import arrivals
 from edge0.server.errors import APIError
@@ -34,6 +36,11 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.worker.engine.tokenizer
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Grammars compiled against the model's tokenizer (made at the first use)."""
+        return Grammars(self.tokenizer, self.vocab_size)
 
     def check_model(self, requested: str | None) -> None:
         """A 404 for a model this server does not serve, as OpenAI answers; a request that
