@@ -250,3 +250,42 @@ def test_greedy_constrained_tokens_are_the_masked_argmax(served):
     )
     text = engine.tokenizer.decode(gen.drain().tokens)
     Person.model_validate_json(text)
+
+
+# -- real clients -------------------------------------------------------------------------------
+
+
+def test_langchain_structured_output_and_forced_tools(served):
+    """langchain-openai's with_structured_output (json_schema, its default, and
+    function_calling) and bind_tools(tool_choice="any"): each extraction succeeds because the
+    grammar guarantees its shape."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    _, url = served
+    llm = langchain_openai.ChatOpenAI(
+        model=builtin.NAME, base_url=f"{url}/v1", api_key="unused", temperature=0, max_retries=0
+    )
+    question = "Write the order as JSON."
+    for method in ("json_schema", "function_calling"):
+        got = llm.with_structured_output(Order, method=method).invoke(question)
+        assert isinstance(got, Order), (method, got)
+    tools = [WEATHER, TIME]
+    msg = llm.bind_tools(tools, tool_choice="any", parallel_tool_calls=False).invoke("Time?")
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] in ("weather", "local_time")
+
+
+def test_pydantic_ai_native_and_tool_output(served):
+    """pydantic-ai's NativeOutput (response_format json_schema) and its default tool output
+    (a forced call of its final_result tool) both return the typed object."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    _, url = served
+    provider = OpenAIProvider(base_url=f"{url}/v1", api_key="unused")
+    model = OpenAIChatModel(builtin.NAME, provider=provider)
+    settings = {"temperature": 0.0, "parallel_tool_calls": False}
+    for output in (NativeOutput(Person), Person):
+        agent = Agent(model, output_type=output, model_settings=settings)
+        result = agent.run_sync("Describe a person.")
+        assert isinstance(result.output, Person), (output, result.output)

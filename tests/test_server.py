@@ -875,9 +875,12 @@ def test_a_malformed_tool_call_stays_text(scripted):
     assert whole.choices[0].finish_reason == finish == "stop"
 
 
-def test_a_forced_tool_call_opens_the_reply(scripted):
+def test_a_forced_tool_call_starts_the_reply(scripted):
+    """A forced call in the JSON tool format is the grammar's (tests/test_constrained.py
+    enforces it on a real model): the prompt ends at the assistant header, thinking off, and
+    the call the reply holds is parsed whole or streamed."""
     client, fake = scripted
-    fake.script = '{"city": "Oslo"}}\n</tool_call>'
+    fake.script = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     choice = {"type": "function", "function": {"name": "weather"}}
     whole, _, _, calls, finish = both_ways(client, tools=[WEATHER], tool_choice=choice)
     for call in (whole.choices[0].message.tool_calls[0], calls[0]):
@@ -885,8 +888,7 @@ def test_a_forced_tool_call_opens_the_reply(scripted):
         assert json.loads(call.function.arguments) == {"city": "Oslo"}
     assert finish == "tool_calls"
     prompt = fake.tokenizer.decode(fake.prompts[-1])  # thinking is off: the call opens the reply
-    opened = '<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n{"name": "weather", '
-    assert prompt.endswith(opened + '"arguments": ')
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_reasoning_is_split_from_the_answer(scripted):

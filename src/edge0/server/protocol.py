@@ -246,6 +246,23 @@ class ChatCompletionRequest(CommonRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None  # shorthand for chat_template_kwargs.enable_thinking
     response_format: ResponseFormat | None = None
+    # OpenAI fields that ask for what edge0 does not do: refused, never dropped quietly
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _not_done_here(self) -> ChatCompletionRequest:
+        if self.audio is not None or any(m != "text" for m in self.modalities or []):
+            raise cross_field("modalities", "edge0 answers in text only; leave audio out")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise cross_field(name, f"{name} is OpenAI's deprecated form; send tools")
+        if self.web_search_options is not None:
+            raise cross_field("web_search_options", "edge0 does not search the web")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
