@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from edge0.engine.sampling import SamplingDefaults
-from edge0.server import chat_api, completions_api, errors, tokenize_api
+from edge0.server import chat_api, completions_api, errors, responses_api, tokenize_api
 from edge0.server.arrivals import Arrivals, CountArrivals
 from edge0.server.failsafe import Failsafe
 from edge0.server.logprobs import TokenStrings
@@ -27,6 +27,7 @@ from edge0.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from edge0.server.requestlog import RequestLog
@@ -53,14 +54,17 @@ class ServerOptions:
 ENDPOINTS = {
     "/v1/chat/completions": chat_api.ENDPOINT,
     "/v1/completions": completions_api.ENDPOINT,
+    "/v1/responses": responses_api.ENDPOINT,
     "/v1/models": "models",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
     "/health": "health",
     "/metrics": "metrics",
 }
 
 
 # the routes whose requests the generation thread waits for (server/arrivals.py)
-GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
+GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/responses"))
 
 
 def endpoint_label(path: str) -> str:
@@ -153,6 +157,10 @@ def create_app(
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: Request) -> Response:
         return await completions_api.completions(state, body, request)
+
+    @app.post("/v1/responses")
+    async def respond(body: ResponsesRequest, request: Request) -> Response:
+        return await responses_api.responses(state, body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

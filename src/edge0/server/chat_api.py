@@ -21,7 +21,14 @@ from edge0.engine.grammar import (
     tool_call_grammar,
 )
 from edge0.server.errors import bad_request, error_body
-from edge0.server.jobs import EventStream, request_sampling, shutting_down, sse, token_budget
+from edge0.server.jobs import (
+    EventStream,
+    Pending,
+    request_sampling,
+    shutting_down,
+    sse,
+    token_budget,
+)
 from edge0.server.logprobs import TokenLogprob
 from edge0.server.protocol import ChatCompletionRequest, NamedToolChoice
 from edge0.server.state import ServerState, new_id, now
@@ -126,9 +133,19 @@ async def request_grammar(
         raise bad_request(f"{part} cannot be compiled into a grammar: {e}", param=param) from e
 
 
-async def chat_completions(
-    state: ServerState, body: ChatCompletionRequest, request: Request
-) -> Response:
+@dataclasses.dataclass
+class Started:
+    """A chat request rendered, checked and queued: what its response is made from."""
+
+    pending: Pending
+    output: ChatOutput
+    prompt_tokens: int
+    top_logprobs: int | None
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, endpoint: str) -> Started:
+    """Render, check and queue a chat request (the chat endpoint's, and /v1/responses' once
+    translated); 4xx for what cannot run."""
     state.check_model(body.model)
     template = state.template
     kwargs = dict(body.chat_template_kwargs or {})
@@ -159,19 +176,33 @@ async def chat_completions(
     )
     top = (body.top_logprobs or 0) if body.logprobs else None
     pending = state.submit(
-        ENDPOINT,
+        endpoint,
         prompt=prompt.ids,
         max_tokens=max_tokens,
         sampling=dataclasses.replace(request_sampling(state.sampling, body), grammar=grammar),
         stop=body.stop_list(),
         top_logprobs=top,
     )
-    output = ChatOutput(prompt, tools, prefix)
+    return Started(pending, ChatOutput(prompt, tools, prefix), len(prompt.ids), top)
+
+
+async def chat_completions(
+    state: ServerState, body: ChatCompletionRequest, request: Request
+) -> Response:
+    started = await start_chat(state, body, ENDPOINT)
+    pending, output, n_prompt = started.pending, started.output, started.prompt_tokens
     meta = {"id": new_id("chatcmpl"), "created": now(), "model": state.model_name}
     if body.stream:
-        stream = _stream(state, body, pending, output, meta, len(prompt.ids))
-        return EventStream(stream)
-    return await _whole(state, pending, output, meta, len(prompt.ids), request, top is not None)
+        return EventStream(_stream(state, body, pending, output, meta, n_prompt))
+    want_logprobs = started.top_logprobs is not None
+    return await _whole(state, pending, output, meta, n_prompt, request, want_logprobs)
+
+
+def message_parts(deltas: list[dict]) -> tuple[str | None, str | None, list[dict]]:
+    """A whole reply's content, reasoning and tool calls (without their stream index)."""
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+    return _join(deltas, "content"), _join(deltas, "reasoning_content"), calls
 
 
 async def _whole(state, pending, output, meta, n_prompt, request, want_logprobs) -> Response:

@@ -349,3 +349,32 @@ class TokenizeRequest(Model):
 class DetokenizeRequest(Model):
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(Model):
+    """POST /v1/responses (server/responses_api.py translates it into a chat request)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | ...}}
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: Seed | None = None
+    stream: bool | None = False
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": "none" | "minimal"} turns thinking off
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None  # nothing is stored either way
+    user: str | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text_and_depth(cls, v: Any, info: ValidationInfo) -> Any:
+        return check_json(v, info.field_name or "body")
