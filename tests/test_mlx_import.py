@@ -353,3 +353,16 @@ def test_name_candidates():
     ]
     assert candidates("language_model.lm_head.weight")[1] == "lm_head.weight"
     assert candidates("model.language_model.norm.weight")[1] == "model.norm.weight"
+
+
+def test_convert_detects_mlx_from_the_files(qwen3, tmp_path):
+    """`edge0 convert MLX_DIR OUT` without --from-mlx imports it as --from-mlx does (the flag
+    is an override only): the same expert bytes."""
+    from edge0.cli import main as cli
+
+    root, _ = qwen3
+    out = tmp_path / "auto"
+    argv = ["convert", str(root / "mlx"), str(out), "--quiet", "--resident", "bf16"]
+    assert cli.main(argv) == 0
+    for name in ("experts.safetensors", "model.safetensors"):
+        assert (out / name).read_bytes() == (root / "e0_mlx_bf16" / name).read_bytes(), name

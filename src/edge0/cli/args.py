@@ -55,6 +55,25 @@ def default_model_dir() -> Path:
     return builtin.model_dir()
 
 
+def model_path(ref: Path | str | None) -> Path:
+    """The edge0 directory a command's MODEL argument names: the built-in model when left
+    out; a directory; a HF or MLX directory, a Hugging Face repo id or a hub-cache path,
+    converted once into edge0's cache (edge0.hub)."""
+    if ref is None:
+        return default_model_dir()
+    from edge0 import hub
+
+    return hub.resolve(ref)
+
+
+def source_path(ref: Path | str) -> Path:
+    """The directory a MODEL argument names as it is (a repo id's hub snapshot), for the
+    commands that read any format: inspect, convert."""
+    from edge0 import hub
+
+    return hub.source(ref).path
+
+
 def default_teacher_dir(model_dir: Path) -> Path:
     """The built-in teacher for the built-in model, else the convert source if still present."""
     from edge0 import builtin

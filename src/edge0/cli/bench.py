@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from edge0.bench.serving import ServingConfig
-from edge0.cli.args import default_model_dir
+from edge0.cli.args import model_path
 from edge0.engine.options import DEFAULT_IO_MODE, INT4_ACTIVATIONS, EngineOptions
 from edge0.engine.plan import RUNTIME_RESERVE
 from edge0.store.expert_file import IO_MODES
@@ -149,7 +149,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from edge0.bench import profile
 
         opts = EngineOptions(io_mode="buffered", int4_activations=args.int4_activations)
-        row = profile.measure(args.model_dir or default_model_dir(), args.tokens, options=opts)
+        row = profile.measure(model_path(args.model_dir), args.tokens, options=opts)
         print(profile.report(row))
         if args.json:
             Path(args.json).write_text(json.dumps(row, indent=2) + "\n")
@@ -179,7 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from edge0.bench import serving
 
         summary = serving.run_serving(
-            args.model_dir or default_model_dir(),
+            model_path(args.model_dir),
             serving.ServingConfig(
                 rounds=args.rounds, threads=args.threads, trials=args.serving_trials
             ),
@@ -190,7 +190,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     from edge0.bench.ab import BenchConfig, report, run_bench
 
-    model_dir = args.model_dir or default_model_dir()
+    model_dir = model_path(args.model_dir)
 
     cfg = BenchConfig(
         arms=tuple(a.strip() for a in args.arms.split(",")),

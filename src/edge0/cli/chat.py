@@ -246,7 +246,7 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None):
-    from edge0.cli.args import constrained, default_model_dir, engine_options, sampling_params
+    from edge0.cli.args import constrained, engine_options, model_path, sampling_params
     from edge0.engine.load import load_engine
 
     stdin = stdin if stdin is not None else sys.stdin  # None when started without one
@@ -255,7 +255,7 @@ def cmd_chat(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO 
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     opts = engine_options(args)
     kwargs = {} if args.thinking is None else {"enable_thinking": args.thinking}
-    engine = load_engine(args.model_dir or default_model_dir(), opts)
+    engine = load_engine(model_path(args.model_dir), opts)
     try:
         sampling = constrained(sampling_params(args, engine.path), args, engine)
         if sampling.grammar is not None:  # the answer is the JSON from its first token

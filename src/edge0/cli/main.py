@@ -19,10 +19,11 @@ from edge0.cli.args import (
     add_sampling_args,
     config_from_args,
     constrained,
-    default_model_dir,
     engine_options,
+    model_path,
     prefix_cache_size,
     sampling_params,
+    source_path,
     with_flags,
 )
 from edge0.cli.bench import add_bench_parser
@@ -50,13 +51,16 @@ USER_ERRORS = (
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    if args.from_mlx:
+    from edge0 import hub
+
+    src = hub.source(args.hf_dir)  # a directory, a repo id or a hub-cache path
+    if args.from_mlx or src.kind == "mlx":  # detected from the files; the flag overrides
         from edge0.convert.mlx import import_mlx as convert
     else:
         from edge0.convert import convert
 
     report = convert(
-        args.hf_dir,
+        src.path,
         args.out_dir,
         force=args.force,
         progress=not args.quiet,
@@ -80,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from edge0.engine.load import load_engine
     from edge0.text.tokenizer import IncrementalDecoder
 
-    engine = load_engine(args.model_dir or default_model_dir(), engine_options(args))
+    engine = load_engine(model_path(args.model_dir), engine_options(args))
     try:
         prompt = engine.tokenizer.encode(args.prompt)
         decoder = IncrementalDecoder(engine.tokenizer)
@@ -164,10 +168,57 @@ def add_inspect_parser(sub) -> None:
     p.set_defaults(func=cmd_inspect)
 
 
+def cmd_pull(args: argparse.Namespace) -> int:
+    from edge0 import hub
+
+    print(hub.pull(args.repo_id, progress=not args.quiet))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from edge0 import hub
+
+    models = hub.cached()
+    if not models:
+        print(f"no converted models in {hub.models_root()}")
+        return 0
+    for m in models:
+        name = m.repo_id + (f"@{m.revision[:12]}" if m.revision else "") if m.repo_id else m.source
+        print(f"{name:50s} {memory.format_bytes(m.nbytes):>10s}  {m.path}")
+    total = sum(m.nbytes for m in models)
+    print(f"{len(models)} models, {memory.format_bytes(total)} in {hub.models_root()}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from edge0 import hub
+
+    gone = hub.remove(args.ref)
+    if not gone:
+        raise FileNotFoundError(f"{args.ref}: no converted model of that id or path (edge0 list)")
+    for path in gone:
+        print(f"removed {path}")
+    return 0
+
+
+def add_cache_parsers(sub) -> None:
+    p = sub.add_parser(
+        "pull", help="download a Hugging Face repo (cache first) and convert it into edge0's cache"
+    )
+    p.add_argument("repo_id", help="org/name[@revision]")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_pull)
+    ls = sub.add_parser("list", help="the converted models in edge0's cache, with their sizes")
+    ls.set_defaults(func=cmd_list)
+    rm = sub.add_parser("rm", help="remove converted models from edge0's cache")
+    rm.add_argument("ref", help="org/name (every revision), org/name@revision, or a cache path")
+    rm.set_defaults(func=cmd_rm)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from edge0.modeldir.verify import verify
 
-    report = verify(args.model_dir or default_model_dir(), args.quick, args.cache_dir)
+    report = verify(model_path(args.model_dir), args.quick, args.cache_dir)
     print(report.text())
     return 0 if report.ok else 1
 
@@ -176,7 +227,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from edge0.cli.inspect import format_report, inspect_dir
 
     report = inspect_dir(
-        args.model_dir,
+        source_path(args.model_dir),
         top_k=args.top_k,
         memory_budget=args.memory_budget,
         dtype=getattr(torch, args.dtype),
@@ -232,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         nargs="?",
         default=None,
-        help="edge0 model directory (default: the built-in model)",
+        help="a model directory, HF repo id (org/name[@revision]) or hub-cache path "
+        "(default: the built-in model)",
     )
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=128)
@@ -250,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(sub)
 
     add_inspect_parser(sub)
+    add_cache_parsers(sub)
 
     v = sub.add_parser(
         "verify",

@@ -51,6 +51,18 @@ def read_timeouts(args: argparse.Namespace):
     return Timeouts(**values)
 
 
+def served_name(ref: Path | None, path: Path) -> str:
+    """The id /v1/models lists: the built-in model's name, a repo id as given (vLLM's way,
+    without a revision), else the directory's name."""
+    from edge0 import builtin, hub
+
+    if ref is None:
+        return builtin.NAME
+    if hub.is_repo_id(str(ref)):
+        return str(ref).partition("@")[0]
+    return path.name
+
+
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     from edge0.cli.args import add_engine_args
     from edge0.util import limits, memory
@@ -148,8 +160,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from edge0 import builtin
-    from edge0.cli.args import default_model_dir, engine_options
+    from edge0.cli.args import engine_options, model_path
     from edge0.engine.load import load_engine
     from edge0.server import requestlog
     from edge0.server.app import ServerOptions, create_app
@@ -176,11 +187,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # loaded, run and closed on one thread: the main thread keeps the signals (threads.py)
     compute = ComputeThread("edge0-generate")
     try:
-        engine = compute.call(load_engine, args.model_dir or default_model_dir(), opts)
+        engine = compute.call(load_engine, model_path(args.model_dir), opts)
     except BaseException:
         compute.close()
         raise
-    name = args.model_name or (builtin.NAME if args.model_dir is None else engine.path.name)
+    name = args.model_name or served_name(args.model_dir, engine.path)
     try:
         app = create_app(
             engine,

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from edge0 import modeldir
-from edge0.cli.args import config_from_args, default_model_dir, default_teacher_dir
+from edge0.cli.args import config_from_args, default_model_dir, default_teacher_dir, model_path
 from edge0.engine.options import EngineOptions
 from edge0.engine.plan import resolve_top_k
 from edge0.util import memory
@@ -304,7 +304,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             evaluate.dump(r, args.json)
         return 0
     if target and target[0] == "served":
-        return _eval_served(args, Path(target[1]) if len(target) > 1 else default_model_dir())
+        return _eval_served(args, model_path(target[1] if len(target) > 1 else None))
     model_dir = Path(target[0]) if target else default_model_dir()
     teacher = args.teacher or default_teacher_dir(model_dir)
     cfg = evaluate.EvalConfig(
