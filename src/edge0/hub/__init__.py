@@ -72,7 +72,7 @@ def source(ref: str | Path, download: bool = True) -> Source:
         return Source(path, kind_of(path), repo, m["rev"] if m else None)
     if not is_repo_id(text):
         raise FileNotFoundError(
-            f"{text}: no such directory, and not a Hugging Face repo id (org/name[@revision])"
+            f"{text}: does not exist, and is not a Hugging Face repo id (org/name[@revision])"
         )
     repo, _, revision = text.partition("@")
     snapshot = Path(_snapshot(repo, revision or None, download))
