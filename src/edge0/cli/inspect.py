@@ -29,7 +29,6 @@ from edge0.cli.inspect_headers import (
     Tally,
     Tensor,
     config_value,
-    detect_format,
     flat_config,
     read_tensors,
     weight_files,
@@ -39,7 +38,7 @@ from edge0.engine.plan import ModelSizes, make_plan, prediction_routed_layers, r
 from edge0.formats.checkpoint import check_dir, is_adapter_file, read_json
 from edge0.formats.extents import ExtentLayout
 from edge0.formats.format import INT4
-from edge0.formats.mlx import QuantConfig, QuantParams
+from edge0.formats.mlx import QuantConfig, QuantParams, detect_format
 from edge0.modeldir import Header
 from edge0.util import memory
 

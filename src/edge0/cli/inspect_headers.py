@@ -92,12 +92,6 @@ def config_value(cfg: dict, *keys, default=None):
 # -- reading a directory -----------------------------------------------------------------------
 
 
-def detect_format(path: Path, raw_config: dict) -> str:
-    if (path / "edge0.json").is_file():
-        return "edge0"
-    return "mlx" if QuantConfig.from_config(raw_config, str(path)) is not None else "hf"
-
-
 def weight_files(path: Path, fmt: str) -> list[Path]:
     if fmt == "edge0":
         return [path / "model.safetensors", path / "experts.safetensors"]

@@ -70,12 +70,16 @@ def check_dir(path: Path | str, what: str = "model directory") -> Path:
     return path
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+def hash_file(path: Path, h, chunk: int = 1 << 22):
+    """`h` (a hashlib-style object) fed the whole file, in chunks; returns `h`."""
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+    return h
+
+
+def sha256_file(path: Path) -> str:
+    return hash_file(path, hashlib.sha256()).hexdigest()
 
 
 DTYPES = {

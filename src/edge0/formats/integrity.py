@@ -14,6 +14,8 @@ from pathlib import Path
 
 import xxhash
 
+from edge0.formats.checkpoint import hash_file
+
 CHECKSUM = "xxh3-64"
 VERIFY_READS = ("first", "all", "off")  # EngineOptions.verify_reads
 
@@ -30,11 +32,7 @@ def checksum(data) -> int:
 
 def file_checksum(path: Path, chunk: int = 1 << 24) -> int:
     """xxh3-64 of a whole file, read in chunks."""
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.intdigest()
+    return hash_file(path, xxhash.xxh3_64(), chunk).intdigest()
 
 
 def hex64(value: int) -> str:

@@ -13,6 +13,7 @@ from the scales (in = groups * group_size) and is checked against the packed wid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -179,3 +180,10 @@ def dequantize(
     """fp32 w = scale * q + bias, q [..., in], scales/biases [..., in / group]."""
     g = q.float().unflatten(-1, (-1, group_size))  # [..., groups, group]
     return (scales.float()[..., None] * g + biases.float()[..., None]).flatten(-2)
+
+
+def detect_format(path: Path, raw_config: dict) -> str:
+    """ "edge0", "mlx" or "hf": what a model directory holds, from its files and config."""
+    if (path / "edge0.json").is_file():
+        return "edge0"
+    return "mlx" if QuantConfig.from_config(raw_config, str(path)) is not None else "hf"

@@ -50,15 +50,10 @@ def is_repo_id(text: str) -> bool:
 
 def kind_of(path: Path) -> str:
     """edge0, mlx or hf, from the directory's files (as `edge0 inspect` tells them apart)."""
-    if (path / "edge0.json").is_file():
-        return "edge0"
-    config = path / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"{path}: no config.json; not a model directory")
-    from edge0.formats.mlx import QuantConfig
+    from edge0.formats.checkpoint import read_json
+    from edge0.formats.mlx import detect_format
 
-    raw = json.loads(config.read_text())
-    return "mlx" if QuantConfig.from_config(raw, str(path)) is not None else "hf"
+    return detect_format(path, read_json(path / "config.json", "model configuration"))
 
 
 def source(ref: str | Path, download: bool = True) -> Source:
