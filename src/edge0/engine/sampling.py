@@ -71,7 +71,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """Temperatures this small would overflow the scaled logits; they mean greedy."""
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

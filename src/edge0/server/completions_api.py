@@ -45,17 +45,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     # off the event loop: a long prompt takes seconds to tokenize, and streams must flow
     ids, text = await run_in_threadpool(prompt_ids, state, body)
     requested = body.max_tokens if body.max_tokens is not None else COMPLETIONS_MAX_TOKENS
-    if requested == 0:  # a scored prompt alone: it needs no room after it
-        if len(ids) > state.context:
-            raise bad_request(
-                f"the prompt is {len(ids)} tokens, more than this model's context window of "
-                f"{state.context} tokens; shorten the prompt",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        max_tokens = 0
-    else:
-        max_tokens = token_budget(requested, len(ids), state.context, None, "prompt")
+    max_tokens = token_budget(requested, len(ids), state.context, None, "prompt")
     scored = body.scores_prompt()
     pending = state.submit(
         ENDPOINT,

@@ -65,10 +65,11 @@ def token_budget(
 ) -> int:
     """max_tokens for a prompt of `prompt_tokens` in a `context`-token window.
 
-    Raises a 400 when the prompt leaves no room or `requested` does not fit.
+    Raises a 400 when the prompt leaves no room or `requested` does not fit. A `requested`
+    0 (a scored prompt, nothing generated) needs only the prompt to fit.
     """
     room = context - prompt_tokens
-    if room < 1:
+    if room < (0 if requested == 0 else 1):
         raise bad_request(
             f"the prompt is {prompt_tokens} tokens, which leaves no room in this model's "
             f"context window of {context} tokens; shorten the {what}",
