@@ -8,6 +8,7 @@ engine: the real engine whose schedulers emit a given text token by token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -194,14 +195,24 @@ class ScriptedScheduler:
 # -- fixtures ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def chat_engine(root: Path):
+    """The tiny chat model's engine, on one torch thread (tiny matrices; more threads only
+    contend), closed and the thread count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    e = load_engine(make_chat_model(root), EngineOptions())
+    try:
+        yield e
+    finally:
+        e.close()
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices; more threads only contend
-    e = load_engine(make_chat_model(tmp_path_factory.mktemp("server")), EngineOptions())
-    yield e
-    e.close()
-    torch.set_num_threads(threads)
+    with chat_engine(tmp_path_factory.mktemp("server")) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")

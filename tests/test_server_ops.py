@@ -11,14 +11,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 
-from edge0.engine.load import load_engine
-from edge0.engine.options import EngineOptions
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.http import Timeouts
 from edge0.server.requestlog import JsonFormatter
-from test_server import GOOD, USER, assert_error_shape, live_server, make_chat_model, post, wait_for
+from test_server import (
+    GOOD,
+    USER,
+    assert_error_shape,
+    chat_engine,
+    live_server,
+    post,
+    wait_for,
+)
 
 CHAT = "/v1/chat/completions"
 # short, so that the stalled sockets' test takes seconds
@@ -27,12 +32,8 @@ TIMEOUTS = Timeouts(header_s=1.0, body_s=1.0, keep_alive_s=1.5)
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    e = load_engine(make_chat_model(tmp_path_factory.mktemp("ops")), EngineOptions())
-    yield e
-    e.close()
-    torch.set_num_threads(threads)
+    with chat_engine(tmp_path_factory.mktemp("ops")) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
