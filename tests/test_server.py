@@ -544,7 +544,9 @@ def test_a_request_stops_arriving_once_submitted_or_answered(app, base):
         assert arrivals.open == 0
     assert worker.wait_idle(60)  # (the stream left behind ends)
     with ThreadPoolExecutor(1) as pool:  # a whole answer: its response starts at its end
-        whole = pool.submit(post, base, "/v1/chat/completions", {**GOOD, "max_tokens": 400})
+        whole = pool.submit(
+            post, base, "/v1/chat/completions", {**GOOD, "max_tokens": 400, "temperature": 0}
+        )
         while not worker.depth:
             time.sleep(0.001)
         during = arrivals.open
@@ -769,7 +771,12 @@ def test_disconnect_mid_stream_frees_the_slot(slow):
     base, engine = slow
     before = len(engine.finished)
     counted = metrics(base).get(CANCELLED, 0)
-    body = {**GOOD, "max_tokens": 400, "stream": True}  # 20 s if it ran to the end
+    body = {
+        **GOOD,
+        "max_tokens": 400,
+        "stream": True,
+        "temperature": 0,
+    }  # 20 s if it ran to the end
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=AUTH) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -789,7 +796,7 @@ def test_disconnect_mid_stream_frees_the_slot(slow):
 def test_disconnect_while_waiting_for_a_whole_answer(slow):
     base, engine = slow
     before = len(engine.finished)
-    body = json.dumps({**GOOD, "max_tokens": 400}).encode()
+    body = json.dumps({**GOOD, "max_tokens": 400, "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) as s:
         s.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sekrit\r\n"
