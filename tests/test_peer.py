@@ -142,7 +142,7 @@ def test_drop_page_cache_takes_files_and_directories(tmp_path):
 
 
 def test_converter_is_found_in_a_tree_or_named_clearly(tmp_path, monkeypatch):
-    monkeypatch.setattr(peer_gguf, "installed_version", lambda: "0.0.0")
+    monkeypatch.setattr(peer_gguf, "sdist_version", lambda: "0.0.0")
     tree = tmp_path / "sdist" / "vendor" / "llama.cpp"
     (tree / "conversion").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="gguf-py"):

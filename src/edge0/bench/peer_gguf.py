@@ -37,6 +37,18 @@ INSTALL_HINT = "install the peer extra as docs/peer.md shows (pip install -e '.[
 PARTS = ("conversion", "gguf-py")  # directories next to the converter that it imports
 
 
+PINNED = "0.3.36"  # pyproject.toml's peer extra
+
+
+def sdist_version() -> str:
+    """The llama-cpp-python version whose converter to use: the installed binding's, else the
+    pinned one (the converter runs without the binding)."""
+    try:
+        return importlib.metadata.version(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return PINNED
+
+
 def installed_version() -> str:
     """The installed llama-cpp-python version; raises ImportError with the install command."""
     try:
@@ -61,10 +73,10 @@ def converter_dir(src: Path | None, work: Path) -> Path:
     """The directory holding convert_hf_to_gguf.py, its `conversion` package and `gguf-py`.
 
     `src` is the llama-cpp-python sdist (.tar.gz), its unpacked tree, or a llama.cpp checkout;
-    None means the sdist of the installed version in ~/.cache/edge0. A tarball is unpacked
-    once into `work` (only the converter's files).
+    None means the sdist of the installed (else the pinned) version in ~/.cache/edge0. A
+    tarball is unpacked once into `work` (only the converter's files).
     """
-    version = installed_version()
+    version = sdist_version()
     src = Path(src) if src is not None else default_sdist(version)
     if src.is_dir():
         for root in (src, src / "vendor" / "llama.cpp"):
@@ -112,14 +124,21 @@ def _run(cmd: list[str], what: str) -> None:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
+def convert_hf(converter: Path, hf_dir: Path, out: Path, outtype: str) -> Path:
+    """hf_dir -> out with llama.cpp's converter in a child process (`outtype`: f32, f16, bf16
+    or q8_0, the types the converter writes itself); returns out."""
+    pre = bpe_pre(hf_dir) or "-"
+    cmd = [sys.executable, "-m", __name__, "convert", str(converter), pre]
+    _run([*cmd, str(hf_dir), "--outfile", str(out), "--outtype", outtype], CONVERTER)
+    return out
+
+
 def make_gguf(hf_dir: Path, out: Path, work: Path, src: Path | None, threads: int) -> Path:
     """hf_dir -> out (Q4_0 GGUF) with llama.cpp's converter and quantizer; returns out."""
     converter = converter_dir(src, work)
     bf16 = out.with_name(out.stem + ".bf16.gguf")
     log.info("converting %s to %s with %s", hf_dir, bf16, converter / CONVERTER)
-    pre = bpe_pre(hf_dir) or "-"
-    cmd = [sys.executable, "-m", __name__, "convert", str(converter), pre]
-    _run([*cmd, str(hf_dir), "--outfile", str(bf16), "--outtype", "bf16"], CONVERTER)
+    convert_hf(converter, hf_dir, bf16, "bf16")
     partial = out.with_name(out.name + ".partial")
     log.info("quantizing %s to Q4_0", bf16)
     cmd = [sys.executable, "-m", __name__, "quantize", str(bf16), str(partial), str(threads)]

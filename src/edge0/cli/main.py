@@ -53,11 +53,8 @@ USER_ERRORS = (
 def cmd_convert(args: argparse.Namespace) -> int:
     from edge0 import hub
 
-    src = hub.source(args.hf_dir)  # a directory, a repo id or a hub-cache path
-    if args.from_mlx or src.kind == "mlx":  # detected from the files; the flag overrides
-        from edge0.convert.mlx import import_mlx as convert
-    else:
-        from edge0.convert import convert
+    src = hub.source(args.hf_dir)  # a directory, a GGUF file, a repo id or a hub-cache path
+    convert = hub.converter("mlx" if args.from_mlx else src.kind)  # the flag overrides
 
     report = convert(
         src.path,
@@ -76,8 +73,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"{memory.format_bytes(report.peak_anon_bytes)}, file "
         f"{memory.format_bytes(report.peak_file_bytes)})"
     )
-
+    if report.quant_errors:
+        print(format_quant_errors(report.quant_errors))
     return 0
+
+
+def format_quant_errors(rows: list[dict]) -> str:
+    """The stored weights' relative L2 error against the source's values, one class a line."""
+    lines = ["relative L2 error of the stored weights against the source's own values:"]
+    for r in rows:
+        lines.append(f"  {r['tensor']:<20} {r['gguf']:>6} -> {r['stored']:<8} {r['rel_l2']:.2e}")
+    return "\n".join(lines)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -250,16 +256,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser(
-        "convert", help="convert a Hugging Face MoE checkpoint to an edge0 directory"
+        "convert",
+        help="convert a Hugging Face, MLX or GGUF MoE checkpoint to an edge0 directory",
     )
-    c.add_argument("hf_dir", type=Path)
+    c.add_argument(
+        "hf_dir",
+        type=Path,
+        metavar="SOURCE",
+        help="a Hugging Face or MLX directory, a .gguf file, a repo id (org/name[@revision]) "
+        "or a hub-cache path; the format is detected from the files",
+    )
     c.add_argument("out_dir", type=Path)
     c.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.add_argument(
         "--from-mlx",
         action="store_true",
-        help="HF_DIR is an MLX affine int4 checkpoint: experts are repacked, not re-quantized",
+        help="SOURCE is an MLX affine int4 checkpoint (detected without it): experts are "
+        "repacked, not re-quantized",
     )
     c.add_argument(
         "--resident",

@@ -17,7 +17,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -72,6 +72,8 @@ class ConvertReport:
     peak_anon_bytes: int
     peak_file_bytes: int
     source_bytes: int
+    # relative L2 error per tensor class where the source's values were requantized (GGUF)
+    quant_errors: list[dict] = field(default_factory=list)
 
 
 def expected_resident(fam, cfg) -> dict[str, tuple[int, ...]]:
@@ -131,7 +133,7 @@ def moe_layers(cfg, src: Path) -> list[int]:
 
 
 def write_model_dir(
-    src: Path,
+    src: Path | None,
     out: Path,
     fam,
     cfg,
@@ -150,9 +152,11 @@ def write_model_dir(
 
     `ckpt` needs keys/shape/get/files/hashes (resident tensors under our module names);
     each source needs keys/extent/release. `config` replaces config.json's content,
-    `source` the manifest's provenance, and `extra(tmp)` adds files before hashing. `int4`
+    `source` the manifest's provenance, and `extra(tmp)` adds files before hashing; config and
+    tokenizer files are copied from `src` unless it is None. `int4`
     names the codes' arrangement (default: this machine's kernel's); `resident` is "int4" or
-    "bf16". A checkpoint that offers `quantized(key)` (an MLX one) keeps its int4 values.
+    "bf16". A checkpoint that offers `quantized(key)` gives int4 resident weights itself (MLX
+    keeps its values; GGUF tallies the error).
     """
     if resident not in RESIDENT_FORMATS:
         raise ValueError(f"resident must be one of {RESIDENT_FORMATS}, not {resident!r}")
@@ -178,7 +182,7 @@ def write_model_dir(
             ckpt, keys, tmp / modeldir.RESIDENT_FILE, progress, keep_fp32, as_int4
         )
         table = _write_experts(cfg, sources, layout, tmp / EXPERTS_FILE, progress)
-        for name in ("config.json",) + TOKENIZER_FILES:
+        for name in ("config.json",) + TOKENIZER_FILES if src is not None else ():
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
         if config is not None:

@@ -1,7 +1,7 @@
 """Model references: what every command that takes a model accepts, resolved to a directory.
 
-A reference is an edge0 directory; a Hugging Face or MLX directory (converted once); a Hugging
-Face repo id, `org/name` or `org/name@revision`; or a path inside the hub cache
+A reference is an edge0 directory; a Hugging Face or MLX directory or a GGUF file (converted
+once); a Hugging Face repo id, `org/name` or `org/name@revision`; or a path inside the hub cache
 (`.../models--org--name/snapshots/<commit>`). Repo ids are resolved by huggingface_hub itself,
 cache first: it honours HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE and the saved token, and it
 downloads only what the cache lacks.
@@ -30,8 +30,8 @@ _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<
 
 @dataclass
 class Source:
-    path: Path  # the directory holding the weights
-    kind: str  # "edge0", "hf" or "mlx"
+    path: Path  # the directory holding the weights, or the GGUF file
+    kind: str  # "edge0", "hf", "mlx" or "gguf"
     repo_id: str | None = None
     revision: str | None = None  # the snapshot's commit
 
@@ -56,11 +56,32 @@ def kind_of(path: Path) -> str:
     return detect_format(path, read_json(path / "config.json", "model configuration"))
 
 
+def converter(kind: str):
+    """The function that converts a source of this kind into an edge0 directory."""
+    if kind == "mlx":
+        from edge0.convert.mlx import import_mlx
+
+        return import_mlx
+    if kind == "gguf":
+        from edge0.convert.gguf import import_gguf
+
+        return import_gguf
+    from edge0.convert import convert
+
+    return convert
+
+
 def source(ref: str | Path, download: bool = True) -> Source:
     """The directory a reference names, downloaded into the hub cache if it is a repo id the
     cache lacks (and downloading is allowed: not with HF_HUB_OFFLINE)."""
+    from edge0.formats.gguf import is_gguf
+
     text = str(ref)
     path = Path(text).expanduser()
+    if path.is_file() and is_gguf(path):
+        m = _SNAPSHOT.search(path.parent.resolve().as_posix())
+        repo = f"{m['org']}/{m['name']}" if m else None
+        return Source(path, "gguf", repo, m["rev"] if m else None)
     if path.is_dir():
         m = _SNAPSHOT.search(path.resolve().as_posix())
         repo = f"{m['org']}/{m['name']}" if m else None
@@ -92,17 +113,24 @@ def _snapshot(repo: str, revision: str | None, download: bool) -> str:
 
 
 def source_hash(path: Path) -> str:
-    """A hash of a model directory's files: each name with its content's identity (a hub
-    snapshot's symlink target, which names the blob by its hash; else size and mtime)."""
+    """A hash of a model directory's files (or of one GGUF file): each name with its content's
+    identity (a hub snapshot's symlink target, which names the blob by its hash; else size and
+    mtime)."""
     h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+    root = path if path.is_dir() else path.parent
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
         ident = f.resolve().name if f.is_symlink() else f"{f.stat().st_size}:{f.stat().st_mtime_ns}"
-        h.update(f"{f.relative_to(path).as_posix()}\0{ident}\n".encode())
+        h.update(f"{f.relative_to(root).as_posix()}\0{ident}\n".encode())
     return h.hexdigest()[:16]
 
 
 def cache_dir_for(src: Source) -> Path:
-    slug = (src.repo_id or f"local/{src.path.resolve().name}").replace("/", "--")
+    name = src.path.resolve().name
+    if src.repo_id and src.kind == "gguf":  # a repo of GGUF files: one cache entry per file
+        slug = f"{src.repo_id}--{src.path.name}".replace("/", "--")
+    else:
+        slug = (src.repo_id or f"local/{name}").replace("/", "--")
     where = src.revision or hashlib.sha256(str(src.path.resolve()).encode()).hexdigest()[:12]
     return models_root() / slug / f"{where}-{source_hash(src.path)}"
 
@@ -118,11 +146,7 @@ def resolve(ref: str | Path, progress: bool = True, download: bool = True) -> Pa
         return out
     if progress:
         print(f"edge0: converting {src.label} into {out} (once)", flush=True)
-    if src.kind == "mlx":
-        from edge0.convert.mlx import import_mlx as convert
-    else:
-        from edge0.convert import convert
-    convert(src.path, out, force=True, progress=progress)
+    converter(src.kind)(src.path, out, force=True, progress=progress)
     record = {"repo_id": src.repo_id, "revision": src.revision, "path": str(src.path)}
     (out / SOURCE_FILE).write_text(json.dumps({**record, "kind": src.kind}, indent=2) + "\n")
     return out
