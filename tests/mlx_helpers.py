@@ -86,12 +86,14 @@ def hf_to_mlx(
     router_bits: int = 8,
     shards: int = 1,
     family: str = "qwen3_moe",
+    stack: str = "switch_mlp",
 ) -> dict:
     """Write an MLX directory and its full-precision equivalent from a float HF checkpoint.
 
     family "qwen3_5_moe" reads a qwen3_5_moe_text checkpoint and writes the multimodal layout
     (text_config, `language_model.` nesting) with MLX's sanitize applied: conv1d as [C, W, 1]
-    and zero-centred norms stored as 1 + w. Returns the MLX tensors written.
+    and zero-centred norms stored as 1 + w. `stack` names where a layer's stacked experts go
+    (mlx-lm's `switch_mlp`; the 8B release's `experts`). Returns the MLX tensors written.
     """
     raw = json.loads((hf_dir / "config.json").read_text())
     src_fam = "qwen3_5_moe_text" if family == "qwen3_5_moe" else family
@@ -104,6 +106,8 @@ def hf_to_mlx(
     expert_keys: set[str] = set()
     quant = {"group_size": GROUP, "bits": 4}
     for layer in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(layer):
+            continue
         src = ExpertSource(ckpt, f"model.layers.{layer}.mlp.experts", cfg.num_experts)
         expert_keys.update(src.keys())
         experts = [src.expert(e) for e in range(cfg.num_experts)]
@@ -112,7 +116,7 @@ def hf_to_mlx(
             "up_proj": torch.stack([u for _, u, _ in experts]),
             "down_proj": torch.stack([d for _, _, d in experts]),
         }
-        base = to_mlx(prefix + f"model.layers.{layer}.mlp.switch_mlp")
+        base = to_mlx(prefix + f"model.layers.{layer}.mlp.{stack}")
         for proj, w in stacked.items():
             packed, s, b = mlx_quantize(w, 4)
             mlx[f"{base}.{proj}.weight"], mlx[f"{base}.{proj}.scales"] = packed, s

@@ -40,6 +40,7 @@ from edge0.formats.extents import ExtentLayout
 from edge0.formats.format import INT4
 from edge0.formats.mlx import QuantConfig, QuantParams, detect_format
 from edge0.modeldir import Header
+from edge0.models import model_type_of
 from edge0.util import memory
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def inspect_dir(
     report = Report(
         path=str(path),
         format=fmt,
-        family=raw.get("model_type"),
+        family=model_type_of(raw),
         files=len(files),
         tensors=sum(t.stored for t in tensors),
         hidden=hidden,

@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 
 MLX_PROJ = ("gate_proj", "up_proj", "down_proj")  # switch_mlp stack names in every MLX family
 NOT_SERVED_ROOTS = ("vision_tower", "visual", "multi_modal_projector", "mtp")
+# the 8B release keeps a copy of its prerouter inside the checkpoint, `<layer>.mlp.pregate.*`;
+# the reference ignores it and serves the heads of prerouter_edge0_8b.safetensors, as edge0 does
+IN_CHECKPOINT_HEADS = ".mlp.pregate."
 PREROUTER_KEY = re.compile(
     r"(?:layers|pregate)\.(\d+)\.(?:mlp\.prerouter\.)?(fc1|fc2|linear_init)\.weight"
 )
@@ -110,7 +113,9 @@ class MLXCheckpoint:
             )
         # a vision tower or MTP layers are never served: not even their quantization is read
         table = {k: self.raw.info(k) for k in self.raw.keys()}
-        self.skipped = [k for k in table if k.split(".")[0] in NOT_SERVED_ROOTS]
+        self.skipped = [
+            k for k in table if k.split(".")[0] in NOT_SERVED_ROOTS or IN_CHECKPOINT_HEADS in k
+        ]
         for k in self.skipped:
             del table[k]
         quantized, plain = split_quantized(table, self.quant, str(path))
@@ -118,7 +123,13 @@ class MLXCheckpoint:
         self.layers = moe_layers(cfg, path)
         model = build(fam, cfg, ExpertSlot)
         self.switch = switch_prefixes(model)
-        stacks = {f"{self.switch[i]}.{p}.weight": (i, p) for i in self.layers for p in MLX_PROJ}
+        # mlx-lm stacks a layer's experts as `switch_mlp`; the 8B release as `experts`
+        stacks = {
+            f"{stack}.{p}.weight": (i, p)
+            for i in self.layers
+            for stack in (self.switch[i], f"{model.moe_block_path(i)}.experts")
+            for p in MLX_PROJ
+        }
         targets = set(self.expected) | set(stacks)
         self.entries: dict[str, tuple[str, QuantTensor | None]] = {}  # ours -> (stored, quant)
         self.stacks: dict[int, dict[str, QuantTensor]] = {i: {} for i in self.layers}
@@ -142,7 +153,11 @@ class MLXCheckpoint:
                 self.stack_names[layer].append(ours)
             self.entries[ours] = (key, qt)
         if self.skipped:
-            log.info("%s: %d tensors not served (vision / MTP) skipped", path, len(self.skipped))
+            log.info(
+                "%s: %d tensors not served (vision / MTP / in-checkpoint heads) skipped",
+                path,
+                len(self.skipped),
+            )
         convs = [k for k, (_, qt) in self.entries.items() if qt is None and self._is_conv(k)]
         # mlx-lm's sanitize moves conv1d to [C, W, 1] and shifts norms in the same pass
         self.sanitized = all(self.raw.shape(self.entries[k][0])[-1] == 1 for k in convs)

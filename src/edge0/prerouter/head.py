@@ -149,6 +149,11 @@ class Prerouter(nn.Module):
         if meta.get("kind", "prerouter") != "prerouter":
             raise ValueError(f"{path}: metadata kind is {meta.get('kind')!r}, not 'prerouter'")
         owners = sorted({int(k.split(".")[1]) for k in tensors})
+        if "owners" in meta and sorted(json.loads(meta["owners"])) != owners:
+            raise ValueError(
+                f"{path}: its metadata names owners {json.loads(meta['owners'])}, and its "
+                f"tensors are heads of layers {owners}"
+            )
         if "consumers" in meta:
             owner_of = {int(c): int(o) for c, o in json.loads(meta["consumers"]).items()}
         else:  # files without wiring metadata: each owner predicts the next MoE layer
@@ -157,6 +162,12 @@ class Prerouter(nn.Module):
         bad = [layer for layer in list(owner_of) + owners if layer not in moe_layers]
         if bad:
             raise ValueError(f"{path}: layer {bad[0]} is not an MoE layer of this model")
+        idle = [o for o in owners if o not in owner_of.values()]
+        if idle:
+            raise ValueError(
+                f"{path}: the head of layer {idle[0]} has no next MoE layer to predict "
+                f"(MoE layers {moe_layers[0]}..{moe_layers[-1]})"
+            )
         width = tensors[f"layers.{owners[0]}.fc1.weight"].shape[0]
         pre = cls(Wiring(owner_of), hidden, num_experts, width, device="meta")  # no init
         expected = {f"layers.{o}.{k}" for o in pre.heads for k in pre.head(int(o)).state_dict()}
