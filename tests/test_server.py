@@ -864,9 +864,12 @@ def both_ways(client, **kw):
         '"days": 3}}\n</tool_call>',
         "<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n"
         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+        # Ling's (the reference's 8B release): the name, then key/value pairs
+        "<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
     ],
 )
-def test_tool_calls_are_parsed_in_both_formats(scripted, script):
+def test_tool_calls_are_parsed_in_every_format(scripted, script):
     client, fake = scripted
     fake.script = script
     whole, content, _, calls, finish = both_ways(client, tools=[WEATHER])
@@ -882,6 +885,32 @@ def test_tool_calls_are_parsed_in_both_formats(scripted, script):
                                            tools=[WEATHER])  # fmt: skip
     assert plain.choices[0].message.tool_calls is None
     assert "<tool_call>" in plain.choices[0].message.content
+
+
+def test_the_ling_format_is_told_from_the_template_and_opens_a_forced_call():
+    from edge0.server.protocol import NamedToolChoice
+    from edge0.server.tools import forced_prefix, parse_block
+    from edge0.text.prompt import ChatTemplate
+
+    class Tok:
+        chat_template = (
+            "{% for m in messages %}{{ m.content }}{% endfor %}"
+            "{% if tools %}<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>"
+            "</tool_call>{% endif %}"
+        )
+
+        def apply_chat_template(self, messages, tools=None, add_generation_prompt=False):
+            raise AssertionError("not rendered here")
+
+    assert ChatTemplate(Tok()).tool_format == "arg"
+    choice = NamedToolChoice.model_validate({"type": "function", "function": {"name": "f"}})
+    assert forced_prefix(choice, "arg") == "<tool_call>f\n"
+    schemas = {"f": {"properties": {"s": {"type": "string"}, "n": {"type": "number"}}}}
+    call = parse_block("f\n<arg_key>s</arg_key><arg_value>12</arg_value>\n"
+                       "<arg_key>n</arg_key><arg_value>12</arg_value>", schemas)  # fmt: skip
+    assert json.loads(call.arguments) == {"s": "12", "n": 12}  # typed by the schema
+    assert parse_block("f <arg_key>s</arg_key>stray<arg_value>1</arg_value>", schemas) is None
+    assert parse_block("two words", schemas) is None
 
 
 def test_a_malformed_tool_call_stays_text(scripted):

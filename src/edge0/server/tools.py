@@ -1,7 +1,11 @@
-"""Tool calls in Qwen's two output formats, parsed incrementally from the answer text.
+"""Tool calls in three output formats, parsed incrementally from the answer text.
 
-    <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>              (JSON)
+    <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>              (JSON, Qwen)
     <tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>  (XML)
+    <tool_call>f\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\n</tool_call>    (arg: Ling)
+
+In the XML and arg formats a value is typed by the tool's JSON schema: a string parameter
+stays as written, anything else is read as JSON where it is JSON.
 
 A block becomes a call when its closing tag arrives, so a stream carries each call whole. A
 block that does not parse stays in the text, so nothing the model wrote is lost. Whitespace
@@ -21,6 +25,9 @@ from edge0.text.stops import partial_suffix
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
+ARG_KEY = "<arg_key>"
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 
 
 @dataclass
@@ -50,6 +57,8 @@ def forced_prefix(tool_choice, tool_format: str) -> str:
         return ""
     if tool_format == "xml":
         return f"{OPEN}\n<function={name}>\n"
+    if tool_format == "arg":
+        return f"{OPEN}{name}\n"
     return f'{OPEN}\n{{"name": "{name}", "arguments": '
 
 
@@ -58,6 +67,8 @@ def parse_block(body: str, schemas: dict[str, dict]) -> ParsedCall | None:
     body = body.strip()
     if body.startswith("<function="):
         return _parse_xml(body, schemas)
+    if not body.startswith("{"):
+        return _parse_args(body, schemas)
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
@@ -85,6 +96,22 @@ def _parse_xml(body: str, schemas: dict[str, dict]) -> ParsedCall | None:
     for p in _PARAMETER.finditer(inner):
         key, raw = p.group(1), p.group(2).removeprefix("\n").removesuffix("\n")
         args[key] = _coerce(raw, props.get(key) or {})
+    return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _parse_args(body: str, schemas: dict[str, dict]) -> ParsedCall | None:
+    """`name` then `<arg_key>k</arg_key><arg_value>v</arg_value>` pairs and nothing else."""
+    name, sep, rest = body.partition(ARG_KEY)
+    name, rest = name.strip(), sep + rest
+    if not _NAME.fullmatch(name):
+        return None
+    pairs = list(_ARG.finditer(rest))
+    if _ARG.sub("", rest).strip():  # text outside the pairs: not a call in this format
+        return None
+    props = (schemas.get(name) or {}).get("properties") or {}
+    args = {
+        m.group(1).strip(): _coerce(m.group(2), props.get(m.group(1).strip()) or {}) for m in pairs
+    }
     return ParsedCall(name, json.dumps(args, ensure_ascii=False))
 
 

@@ -47,8 +47,13 @@ class ChatTemplate:
 
     @property
     def tool_format(self) -> str:
-        """'xml' for Qwen3-Coder style `<function=...>` calls, else 'json'."""
-        return "xml" if self.template and "<function=" in self.template else "json"
+        """'xml' for Qwen3-Coder style `<function=...>` calls, 'arg' for Ling's
+        `<arg_key>`/`<arg_value>` pairs, else 'json' (server/tools.py)."""
+        if self.template and "<function=" in self.template:
+            return "xml"
+        if self.template and "<arg_key>" in self.template:
+            return "arg"
+        return "json"
 
     def check_kwargs(self, kwargs: dict[str, Any]) -> None:
         bad = sorted(set(kwargs) & self.reserved)
