@@ -286,3 +286,37 @@ def test_llama_cpp_reads_the_bf16_file_as_transformers_reads_its_source(teacher)
         ids = tok.encode(prompt)
         want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :]
         assert llama_cpp_greedy(files["bf16"], ids) == want.tolist(), prompt
+
+
+def test_a_repository_of_gguf_files_is_named_by_its_quant(converter, tmp_path, monkeypatch):
+    """`org/name:QUANT` picks one file of a GGUF repository from a hub cache written in the
+    real layout, offline; the repository alone is a clear error listing its files."""
+    from huggingface_hub import constants
+
+    from edge0 import hub
+    from test_hub import write_hub_repo
+
+    hf = make_hf_model(tmp_path / "hf", dtype=torch.bfloat16)
+    files = tmp_path / "files"
+    files.mkdir()
+    for t in ("bf16", "q8_0"):
+        peer_gguf.convert_hf(converter, hf, files / f"Tiny-{t.upper()}.gguf", t)
+    (files / "README.md").write_text("tiny\n")
+    cache = tmp_path / "hub"
+    write_hub_repo(cache, "org/Tiny-GGUF", files)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with pytest.raises(ValueError, match=r"holds GGUF files \(Tiny-BF16.gguf, Tiny-Q8_0.gguf\)"):
+        hub.resolve("org/Tiny-GGUF", progress=False)
+    with pytest.raises(FileNotFoundError, match="no GGUF files match 'Q4_K_M'"):
+        hub.resolve("org/Tiny-GGUF:Q4_K_M", progress=False)
+    q8 = hub.resolve("org/Tiny-GGUF:q8_0", progress=False)
+    assert Manifest.load(q8).source["gguf_types"] == ["F32", "Q8_0"]
+    assert hub.resolve("org/Tiny-GGUF:Q8_0", progress=False) == q8  # converted once
+    bf16 = hub.resolve("org/Tiny-GGUF:BF16", progress=False)
+    assert bf16 != q8 and Manifest.load(bf16).source["exact"] is True
+    assert cli.main(["generate", "org/Tiny-GGUF:Q8_0", "--prompt", "x", "--max-tokens", "3"]) == 0
+    assert {c.path for c in hub.cached()} == {q8, bf16}
+    assert sorted(hub.remove("org/Tiny-GGUF")) == sorted([q8, bf16])

@@ -1,7 +1,9 @@
 """Model references: what every command that takes a model accepts, resolved to a directory.
 
 A reference is an edge0 directory; a Hugging Face or MLX directory or a GGUF file (converted
-once); a Hugging Face repo id, `org/name` or `org/name@revision`; or a path inside the hub cache
+once); a Hugging Face repo id, `org/name` or `org/name@revision`, with `:QUANT` naming one GGUF
+file of a repository of them (`org/name-GGUF:Q4_K_M`: only that file is fetched); or a path
+inside the hub cache
 (`.../models--org--name/snapshots/<commit>`). Repo ids are resolved by huggingface_hub itself,
 cache first: it honours HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE and the saved token, and it
 downloads only what the cache lacks.
@@ -24,7 +26,7 @@ from pathlib import Path
 from edge0.util.paths import default_cache_dir
 
 SOURCE_FILE = "source.json"  # in each cached model: where it came from
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?(:[\w.-]+)?$")
 _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<rev>[^/]+)/?$")
 
 
@@ -88,19 +90,44 @@ def source(ref: str | Path, download: bool = True) -> Source:
         return Source(path, kind_of(path), repo, m["rev"] if m else None)
     if not is_repo_id(text):
         raise FileNotFoundError(
-            f"{text}: does not exist, and is not a Hugging Face repo id (org/name[@revision])"
+            f"{text}: does not exist, and is not a Hugging Face repo id "
+            "(org/name[@revision][:QUANT])"
         )
+    text, _, quant = text.partition(":")
     repo, _, revision = text.partition("@")
-    snapshot = Path(_snapshot(repo, revision or None, download))
+    patterns = [f"*{quant}*.gguf", f"*{quant.lower()}*.gguf"] if quant else None
+    snapshot = Path(_snapshot(repo, revision or None, download, patterns))
+    if quant:
+        return Source(gguf_file(snapshot, quant), "gguf", repo, snapshot.name)
+    if not (snapshot / "config.json").is_file() and list(snapshot.glob("*.gguf")):
+        names = ", ".join(sorted(p.name for p in snapshot.glob("*.gguf")))
+        raise ValueError(f"{repo} holds GGUF files ({names}); name one: {repo}:Q4_K_M, say")
     return Source(snapshot, kind_of(snapshot), repo, snapshot.name)
 
 
-def _snapshot(repo: str, revision: str | None, download: bool) -> str:
+def gguf_file(snapshot: Path, quant: str) -> Path:
+    """The one GGUF file of a snapshot that `quant` names (a file name, or a type tag such
+    as Q4_K_M, matched case-insensitively in the file names); projector files are not
+    models."""
+    files = [p for p in sorted(snapshot.glob("*.gguf")) if not p.name.startswith("mmproj")]
+    exact = [p for p in files if p.name == quant]
+    found = exact or [p for p in files if quant.lower() in p.name.lower()]
+    if len(found) != 1:
+        have = ", ".join(p.name for p in files) or "none"
+        what = "several" if found else "no"
+        raise FileNotFoundError(f"{snapshot}: {what} GGUF files match {quant!r} (files: {have})")
+    return found[0]
+
+
+def _snapshot(repo: str, revision: str | None, download: bool, patterns=None) -> str:
+    """The snapshot directory; with `patterns`, only the files they match are fetched."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return snapshot_download(repo, revision=revision, local_files_only=True)
+        return snapshot_download(
+            repo, revision=revision, local_files_only=True, allow_patterns=patterns
+        )
     except LocalEntryNotFoundError:
         if not download or constants.HF_HUB_OFFLINE:
             raise FileNotFoundError(
@@ -109,7 +136,8 @@ def _snapshot(repo: str, revision: str | None, download: bool) -> str:
                 + (" and HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "")
                 + f"; run `edge0 pull {repo}` where the hub is reachable"
             ) from None
-    return snapshot_download(repo, revision=revision)  # with the hub's own progress bars
+    # with the hub's own progress bars
+    return snapshot_download(repo, revision=revision, allow_patterns=patterns)
 
 
 def source_hash(path: Path) -> str:
@@ -155,7 +183,7 @@ def resolve(ref: str | Path, progress: bool = True, download: bool = True) -> Pa
 def pull(ref: str, progress: bool = True) -> Path:
     """Download (if the cache lacks it) and convert a repo id: `edge0 pull`."""
     if not is_repo_id(ref):
-        raise ValueError(f"{ref}: not a Hugging Face repo id (org/name[@revision])")
+        raise ValueError(f"{ref}: not a Hugging Face repo id (org/name[@revision][:QUANT])")
     return resolve(ref, progress=progress, download=True)
 
 
@@ -183,7 +211,7 @@ def cached() -> list[Cached]:
 def remove(ref: str) -> list[Path]:
     """Remove the cached conversions of a repo id (`org/name`: every revision;
     `org/name@revision`: that one) or of a cache path; returns what was removed."""
-    repo, _, revision = ref.partition("@")
+    repo, _, revision = ref.partition(":")[0].partition("@")  # every GGUF file of the repo
     gone = []
     for c in cached():
         by_id = c.repo_id == repo and (not revision or c.revision == revision)
