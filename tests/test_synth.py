@@ -76,3 +76,85 @@ def test_synth_hf_format_converts_and_generates(tmp_path, capsys):
     _, err = capsys.readouterr()
     assert code == 0, err
     assert "generated 8 tok" in err
+
+
+# -- full-size tiers ---------------------------------------------------------------------------
+
+
+def test_the_35b_tier_has_the_released_tensor_shapes():
+    """Tensor for tensor against the header fixture built from the audit and the inventory
+    (tests/test_inspect.py), the vision tower aside: synth writes what the engine serves."""
+    from edge0.convert import expected_resident
+    from edge0.convert.tiers import tier_config
+    from edge0.modeldir.loader import build, expert_prefixes
+    from edge0.models import qwen3_5_moe
+    from edge0.models.experts import ExpertSlot
+    from test_inspect import tensors_35b_hf
+
+    cfg = qwen3_5_moe.Config.from_dict(tier_config("35b-a3b"))
+    ours = expected_resident(qwen3_5_moe, cfg)
+    prefixes = set(expert_prefixes(build(qwen3_5_moe, cfg, ExpertSlot)).values())
+    e, i, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    fixture = [t for t in tensors_35b_hf()[0] if not t[0].startswith("model.visual.")]
+    plain = {}
+    for name, dtype, shape in fixture:
+        assert dtype == "BF16"
+        if name.endswith("experts.gate_up_proj"):
+            assert name.removesuffix(".gate_up_proj") in prefixes and shape == [e, 2 * i, d]
+        elif name.endswith("experts.down_proj"):
+            assert name.removesuffix(".down_proj") in prefixes and shape == [e, d, i]
+        else:
+            plain[name] = tuple(shape)
+    assert ours == plain
+    assert len(prefixes) == 40 and cfg.layer_types.count("full_attention") == 10
+
+
+def test_a_4_layer_35b_tier_counts_as_the_fixture_and_serves_with_its_adapters(tmp_path, capsys):
+    """Every width of the 35B tier, 4 layers deep (3 Gated DeltaNet, 1 gated attention): its
+    parameters count as the audit's header fixture cut to the same layers, its adapters have
+    the reference's shapes, and it decodes with heads and LoRA under a budget that makes the
+    prerouter route."""
+    from safetensors import safe_open
+
+    from edge0.cli.inspect import inspect_dir
+    from edge0.engine.sampling import SamplingParams
+    from edge0.modeldir import Manifest
+    from test_inspect import tensors_35b_mlx, write_checkpoint
+
+    out = tmp_path / "35b-4"
+    assert cli.main(["synth", str(out), "--shape", "35b-a3b", "--layers", "4", "--quiet"]) == 0
+    assert "RANDOM-WEIGHT qwen3_5_moe" in capsys.readouterr().out
+    shards, quant = tensors_35b_mlx()
+    keep = [
+        t
+        for s in shards
+        for t in s
+        if not t[0].startswith("language_model.model.layers.") or int(t[0].split(".")[3]) < 4
+    ]
+    config = json.loads((out / "config.json").read_text())
+    write_checkpoint(tmp_path / "fixture", [keep], dict(config, quantization=quant))
+    ours, theirs = inspect_dir(out, top_k=4), inspect_dir(tmp_path / "fixture", top_k=4)
+    assert ours.total.params == theirs.total.params
+    assert ours.routed_experts.params == theirs.routed_experts.params
+    assert {k: c.params for k, c in ours.resident.items()} == {
+        k: c.params for k, c in theirs.resident.items()
+    }
+    assert ours.active == theirs.active and ours.per_expert == theirs.per_expert
+    manifest = Manifest.load(out)
+    assert manifest.served_top_k == 4 and manifest.source["random_weights"] is True
+    with safe_open(str(out / "prerouter.safetensors"), "pt") as f:
+        assert f.metadata()["K"] == "4" and json.loads(f.metadata()["owners"]) == [0, 1, 2]
+        assert f.get_slice("layers.0.fc1.weight").get_shape() == [512, 2048 + 2 * 256]
+    with safe_open(str(out / "lora.safetensors"), "pt") as f:
+        assert f.metadata()["r"] == "16" and f.metadata()["alpha"] == "32"
+        assert len(json.loads(f.metadata()["targets"])) == 3 * 8 + 7  # the 35B's 310 / 40 layers
+    # a pool of 200 of the 1,024 extents: the heads stage each step's experts
+    opts = EngineOptions(expert_cache=200 * 1_769_472, max_context=256)
+    engine = load_engine(out, opts)
+    try:
+        assert engine.plan.prerouter and engine.lora_meta
+        gen = engine.generate([5, 6, 7, 8, 9], 6, SamplingParams(temperature=0)).drain()
+        assert len(gen.tokens) == 6
+        assert engine.prerouter.stats.consumed > 0 and engine.prerouter.stats.dropped == 0
+    finally:
+        engine.close()

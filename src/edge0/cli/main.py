@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -113,8 +114,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_synth(args: argparse.Namespace) -> int:
     from edge0.convert.synth import Shape, synth
 
-    shape = config_from_args(Shape, args, top_k="native_top_k")
-
+    if args.shape is not None:  # a named shape: its widths are fixed, its depth may be cut
+        shape, layers = args.shape, args.layers
+    else:
+        args.layers = 8 if args.layers is None else args.layers
+        shape, layers = config_from_args(Shape, args, top_k="native_top_k"), None
+    t0 = time.perf_counter()
     out = synth(
         args.out_dir,
         shape,
@@ -123,10 +128,14 @@ def cmd_synth(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.quiet,
         resident=args.resident,
+        layers=layers,
     )
+    family = json.loads((out / "config.json").read_text())["model_type"]
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(
-        f"wrote {out}: a RANDOM-WEIGHT qwen3_moe ({args.format} format) for speed and memory "
-        "measurements only"
+        f"wrote {out}: a RANDOM-WEIGHT {family} ({args.format} format, "
+        f"{memory.format_bytes(size)} in {time.perf_counter() - t0:.0f} s) for speed and "
+        "memory measurements only"
     )
     return 0
 
@@ -340,7 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="int4",
         help="edge0 format: resident projections and embeddings as int4 (default) or bf16",
     )
-    s.add_argument("--layers", type=int, default=8)
+    s.add_argument(
+        "--shape",
+        choices=("bench", "35b-a3b", "30b-a3b"),
+        default=None,
+        help="a full-size shape with its released tensor shapes (the other shape flags do "
+        "not apply; --layers cuts its depth): bench, 35b-a3b (the reference's 35B tier, with "
+        "its heads and LoRA), 30b-a3b (Qwen3-30B-A3B)",
+    )
+    s.add_argument("--layers", type=int, default=None, help="decoder layers (default 8)")
     s.add_argument("--hidden", type=int, default=1024)
     s.add_argument("--heads", type=int, default=16)
     s.add_argument("--kv-heads", type=int, default=4)
