@@ -20,6 +20,7 @@ import torch
 from edge0.formats.checkpoint import TensorInfo
 
 CONFIG_KEYS = ("quantization", "quantization_config")
+_UNPACK_WORDS = 1 << 22  # words unpacked per step: 4M words -> 128 MiB of int32 temporaries
 SCALE_DTYPES = ("BF16", "F16", "F32")
 
 
@@ -168,10 +169,14 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits not in (2, 4, 8):  # 3/5/6-bit values straddle words; no checkpoint we read has them
         raise ValueError(f"{bits}-bit MLX weights cannot be unpacked (2, 4 or 8 bits only)")
     per = 32 // bits
-    words = packed.view(torch.int32)  # shifts on int32; the mask drops sign-extended bits
+    words = packed.view(torch.int32).reshape(-1, packed.shape[-1])  # [R, W]; shifts on int32
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    q = (words[..., None] >> shifts) & (2**bits - 1)  # [..., W, per]
-    return q.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+    out = torch.empty(words.shape[0], words.shape[1] * per, dtype=torch.uint8)
+    step = max(1, _UNPACK_WORDS // max(1, words.shape[1]))  # rows per step: bounded int32
+    for r in range(0, words.shape[0], step):  # temporaries (a 248k-row lm_head took 4 GiB)
+        q = (words[r : r + step, :, None] >> shifts) & (2**bits - 1)  # the mask drops the sign
+        out[r : r + step] = q.reshape(q.shape[0], -1)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * per)
 
 
 def dequantize(
