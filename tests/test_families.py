@@ -219,6 +219,26 @@ def served_reference(hf_dir, e0_dir, out):
     return hf.eval()
 
 
+def teacher_forced(engine, hf, prompt: torch.Tensor, steps: int):
+    """The engine's greedy tokens, and per position: the max |logprob difference| against
+    transformers on the engine's own sequence, and how far below transformers' best logit
+    the engine's token is (0 where they agree). Closes the engine."""
+    seen = []
+    try:
+        gen = engine.generate(prompt.tolist(), steps, SamplingParams(temperature=0))
+        for _, logprobs in gen:
+            seen.append(logprobs.clone())
+        got = gen.tokens
+    finally:
+        engine.close()
+    with torch.no_grad():
+        ids = torch.cat([prompt, torch.tensor(got, dtype=torch.long)])
+        ref = hf(ids[None]).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(got)]
+    diffs = (torch.stack(seen) - torch.log_softmax(ref, dim=-1)).abs().amax(dim=-1)
+    shortfall = ref.max(dim=-1).values - ref.gather(1, torch.tensor(got)[:, None])[:, 0]
+    return got, diffs, shortfall
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "deepseek_v3", "bailing_hybrid"])
 def test_int4_engine_matches_transformers_on_dequantized_weights(tmp_path, name, request):
@@ -236,23 +256,9 @@ def test_int4_engine_matches_transformers_on_dequantized_weights(tmp_path, name,
     hf = served_reference(path, tmp_path / "e0", tmp_path / "served")
     engine = load_engine(tmp_path / "e0", EngineOptions())
     prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(2))
-    seen = []
-    try:
-        gen = engine.generate(prompt.tolist(), 16, SamplingParams(temperature=0))
-        for _, logprobs in gen:
-            seen.append(logprobs.clone())
-        got = gen.tokens
-    finally:
-        engine.close()
+    got, diffs, shortfall = teacher_forced(engine, hf, prompt, 16)
     with torch.no_grad():
-        # transformers' logits on the engine's own sequence, position by position
-        ids = torch.cat([prompt, torch.tensor(got, dtype=torch.long)])
-        ref = hf(ids[None]).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(got)]
         reference = greedy_hf(hf, prompt, 16)
-    ref_logprobs = torch.log_softmax(ref, dim=-1)
-    diffs = (torch.stack(seen) - ref_logprobs).abs().amax(dim=-1)  # per position
-    # how far below transformers' best each engine token is, on the same prefix
-    shortfall = ref.max(dim=-1).values - ref.gather(1, torch.tensor(got)[:, None])[:, 0]
     same = sum(a == b for a, b in zip(got, reference, strict=False))
     print(
         f"{name} int4 engine vs transformers (teacher-forced): logprobs |diff| median "

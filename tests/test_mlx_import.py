@@ -86,6 +86,20 @@ def test_mlx_word_layout_is_lsb_first():
         assert err <= 2 * (w.max() - w.min()) / (2**bits - 1)
 
 
+def test_unpacking_in_steps_equals_unpacking_at_once(monkeypatch):
+    """Large tensors are unpacked a bounded number of words at a time; the steps' boundaries
+    (here every 7 words, mid-row and across a leading axis) change nothing."""
+    from edge0.formats import mlx as formats_mlx
+
+    words = torch.randint(0, 2**32, (3, 37, 5), generator=torch.Generator().manual_seed(1))
+    packed = words.to(torch.uint32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    want = ((words[..., None] >> shifts) & 15).reshape(3, 37, 40).to(torch.uint8)
+    assert torch.equal(unpack(packed, 4), want)
+    monkeypatch.setattr(formats_mlx, "_UNPACK_WORDS", 7)
+    assert torch.equal(unpack(packed, 4), want)
+
+
 def test_imported_experts_equal_the_mlx_formula_exactly(qwen3):
     root, mlx = qwen3
     manifest = Manifest.load(root / "e0_mlx")

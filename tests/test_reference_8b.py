@@ -24,7 +24,7 @@ from edge0.engine.sampling import SamplingParams
 from edge0.modeldir import Manifest
 from edge0.models import bailing_hybrid
 from mlx_helpers import hf_to_mlx
-from test_families import INT4_LOGIT_TOL, make_checkpoint, served_reference
+from test_families import INT4_LOGIT_TOL, make_checkpoint, served_reference, teacher_forced
 
 HEAD_WIDTH = 32
 
@@ -146,19 +146,7 @@ def test_it_decodes_as_transformers_on_the_dequantized_weights(release, tmp_path
     hf = served_reference(root / "hf", out, tmp_path / "served")
     prompt = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(7))
     engine = load_engine(out, EngineOptions(no_prerouter=True, no_lora=True))
-    seen = []
-    try:
-        gen = engine.generate(prompt.tolist(), 16, SamplingParams(temperature=0))
-        for _, logprobs in gen:
-            seen.append(logprobs.clone())
-        got = gen.tokens
-    finally:
-        engine.close()
-    with torch.no_grad():
-        ids = torch.cat([prompt, torch.tensor(got, dtype=torch.long)])
-        ref = hf.eval()(ids[None]).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(got)]
-    diffs = (torch.stack(seen) - torch.log_softmax(ref, dim=-1)).abs().amax(dim=-1)
-    shortfall = ref.max(dim=-1).values - ref.gather(1, torch.tensor(got)[:, None])[:, 0]
+    got, diffs, shortfall = teacher_forced(engine, hf, prompt, 16)
     assert len(got) == 16
     assert diffs.median() <= INT4_LOGIT_TOL and shortfall.max() <= INT4_LOGIT_TOL
 

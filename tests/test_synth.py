@@ -158,3 +158,20 @@ def test_a_4_layer_35b_tier_counts_as_the_fixture_and_serves_with_its_adapters(t
         assert engine.prerouter.stats.consumed > 0 and engine.prerouter.stats.dropped == 0
     finally:
         engine.close()
+
+
+def test_the_30b_tier_counts_as_qwen3_30b_a3b_is_published():
+    """Qwen3-30B-A3B's model card: 30.5B parameters, 3.3B activated (8 of 128 experts; the
+    card's 3.3 is 3.35 cut, not rounded, with both embeddings counted whole)."""
+    import math
+
+    from edge0.convert import expected_resident
+    from edge0.convert.tiers import tier_config
+    from edge0.models import qwen3_moe
+
+    cfg = qwen3_moe.Config.from_dict(tier_config("30b-a3b"))
+    resident = sum(math.prod(s) for s in expected_resident(qwen3_moe, cfg).values())
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    layers = cfg.num_hidden_layers
+    assert round((resident + layers * cfg.num_experts * expert) / 1e9, 1) == 30.5
+    assert math.floor((resident + layers * cfg.num_experts_per_tok * expert) / 1e8) == 33

@@ -132,6 +132,8 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
     model_dir = Path(model_dir)
     manifest = modeldir.Manifest.load(model_dir)
     table, extent, meta = read_table(model_dir / EXPERTS_FILE)
+    if manifest.source.get("random_weights") is True:  # (synth records it in the manifest)
+        meta = {**meta, "random_weights": "true"}
     expert_bytes = sum(t.count for t in table.values()) * extent
     if not all(_valid_arm(a) for a in cfg.arms):
         raise ValueError(

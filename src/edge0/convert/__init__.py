@@ -94,8 +94,13 @@ def convert(
     """`int4` names the arrangement of the expert codes (int4_layout.py); the default is this
     machine's kernel's, so serving here never repacks. Any arrangement serves everywhere.
     `resident` is "int4" (projections and embeddings as int4, models/int4.py) or "bf16"."""
+    return with_peaks(_convert, hf_dir, out_dir, force, progress, int4, resident)
+
+
+def with_peaks(run: Callable[..., ConvertReport], *args) -> ConvertReport:
+    """run(*args)'s report with the peak anonymous and file-backed memory sampled during it."""
     with memory.PeakSampler() as peaks:
-        report = _convert(hf_dir, out_dir, force, progress, int4, resident)
+        report = run(*args)
     report.peak_anon_bytes, report.peak_file_bytes = peaks.peak_anon, peaks.peak_file
     return report
 

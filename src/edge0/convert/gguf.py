@@ -33,6 +33,7 @@ from edge0.convert import (
     check_out_dir,
     expected_resident,
     moe_layers,
+    with_peaks,
     write_model_dir,
 )
 from edge0.formats import quant
@@ -42,7 +43,6 @@ from edge0.formats.gguf import EXACT_TYPES, GGUFFile
 from edge0.modeldir.loader import build, expert_prefixes
 from edge0.models import family, int4
 from edge0.models.experts import ExpertSlot
-from edge0.util import memory
 
 log = logging.getLogger(__name__)
 
@@ -374,10 +374,7 @@ def import_gguf(
 ) -> ConvertReport:
     """Build an edge0 directory from a GGUF file; `int4` and `resident` as for
     `convert.convert`. The report's `quant_errors` holds the relative L2 error per class."""
-    with memory.PeakSampler() as peaks:
-        report = _import(gguf_path, out_dir, force, progress, int4, resident)
-    report.peak_anon_bytes, report.peak_file_bytes = peaks.peak_anon, peaks.peak_file
-    return report
+    return with_peaks(_import, gguf_path, out_dir, force, progress, int4, resident)
 
 
 def _import(gguf_path, out_dir, force, progress, int4_layout, resident) -> ConvertReport:

@@ -30,6 +30,7 @@ from edge0.convert import (
     check_out_dir,
     expected_resident,
     moe_layers,
+    with_peaks,
     write_model_dir,
 )
 from edge0.formats.checkpoint import (
@@ -49,7 +50,6 @@ from edge0.modeldir.loader import build
 from edge0.models import load_config
 from edge0.models.experts import ExpertSlot
 from edge0.models.layers import ZeroCenteredRMSNorm
-from edge0.util import memory
 
 log = logging.getLogger(__name__)
 
@@ -311,10 +311,7 @@ def import_mlx(
 ) -> ConvertReport:
     """Build an edge0 directory from an MLX affine int4 checkpoint and its adapter files.
     `int4` and `resident` as for `convert.convert`; int4 resident weights keep MLX's values."""
-    with memory.PeakSampler() as peaks:
-        report = _import(mlx_dir, out_dir, force, progress, int4, resident)
-    report.peak_anon_bytes, report.peak_file_bytes = peaks.peak_anon, peaks.peak_file
-    return report
+    return with_peaks(_import, mlx_dir, out_dir, force, progress, int4, resident)
 
 
 def _import(mlx_dir, out_dir, force, progress, int4, resident) -> ConvertReport:
