@@ -17,6 +17,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -361,13 +362,20 @@ def _write_experts(
         unit="expert",
         disable=not progress,
     )
-    for layer, source in sources.items():
-        table[layer] = {"offset": offset, "count": cfg.num_experts}
-        for e in range(cfg.num_experts):
-            writer.write(layer, source.extent(e, layout)[None])
-            bar.update(1)
-        source.release()
-        offset += cfg.num_experts * layout.nbytes
+    # the next extent is made (read, quantized or drawn) on a second thread while this one is
+    # written: torch, numpy and file writes release the GIL, so the disk need not wait
+    with ThreadPoolExecutor(1, thread_name_prefix="edge0-extent") as pool:
+        for layer, source in sources.items():
+            table[layer] = {"offset": offset, "count": cfg.num_experts}
+            ahead = pool.submit(source.extent, 0, layout)
+            for e in range(cfg.num_experts):
+                extent = ahead.result()
+                if e + 1 < cfg.num_experts:
+                    ahead = pool.submit(source.extent, e + 1, layout)
+                writer.write(layer, extent[None])
+                bar.update(1)
+            source.release()
+            offset += cfg.num_experts * layout.nbytes
     bar.close()
     writer.close()
     return table
