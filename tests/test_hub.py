@@ -94,3 +94,33 @@ def test_a_changed_source_converts_again(tmp_path, monkeypatch):
     assert hub.resolve(src, progress=False) == first
     make_checkpoint(src, "olmoe", seed=1)  # new weights in place
     assert hub.resolve(src, progress=False) != first
+
+
+def test_a_quant_tag_fetches_the_file_however_either_spells_it(tmp_path, monkeypatch):
+    """The hub matches allow_patterns case-sensitively: `:q4_k_m` must still fetch
+    `Model-Q4_K_M.gguf` (found when a download fetched nothing)."""
+    import fnmatch
+
+    asked = {}
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / "Model-Q4_K_M.gguf").write_bytes(b"GGUF" + bytes(16))
+
+    def fake_snapshot(repo, revision, download, patterns=None):
+        asked["patterns"] = patterns
+        return str(snap)
+
+    monkeypatch.setattr(hub, "_snapshot", fake_snapshot)
+    for tag in ("q4_k_m", "Q4_K_M"):
+        src = hub.source(f"org/Model-GGUF:{tag}")
+        assert src.kind == "gguf" and src.path.name == "Model-Q4_K_M.gguf"
+        assert any(fnmatch.fnmatchcase("Model-Q4_K_M.gguf", p) for p in asked["patterns"])
+
+
+def test_a_damaged_gguf_file_reaches_the_gguf_reader(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    src = hub.source(bad)
+    assert src.kind == "gguf"
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        hub.converter(src.kind)(src.path, tmp_path / "out", progress=False)

@@ -80,14 +80,11 @@ def source(ref: str | Path, download: bool = True) -> Source:
 
     text = str(ref)
     path = Path(text).expanduser()
-    if path.is_file() and is_gguf(path):
-        m = _SNAPSHOT.search(path.parent.resolve().as_posix())
-        repo = f"{m['org']}/{m['name']}" if m else None
-        return Source(path, "gguf", repo, m["rev"] if m else None)
+    # a file named .gguf goes to the GGUF reader, which names what is wrong with it
+    if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):
+        return Source(path, "gguf", *_in_snapshot(path.parent))
     if path.is_dir():
-        m = _SNAPSHOT.search(path.resolve().as_posix())
-        repo = f"{m['org']}/{m['name']}" if m else None
-        return Source(path, kind_of(path), repo, m["rev"] if m else None)
+        return Source(path, kind_of(path), *_in_snapshot(path))
     if not is_repo_id(text):
         raise FileNotFoundError(
             f"{text}: does not exist, and is not a Hugging Face repo id "
@@ -95,7 +92,9 @@ def source(ref: str | Path, download: bool = True) -> Source:
         )
     text, _, quant = text.partition(":")
     repo, _, revision = text.partition("@")
-    patterns = [f"*{quant}*.gguf", f"*{quant.lower()}*.gguf"] if quant else None
+    # the hub matches patterns case-sensitively; file names spell tags either way
+    spellings = sorted({quant, quant.lower(), quant.upper()})
+    patterns = [f"*{q}*.gguf" for q in spellings] if quant else None
     snapshot = Path(_snapshot(repo, revision or None, download, patterns))
     if quant:
         return Source(gguf_file(snapshot, quant), "gguf", repo, snapshot.name)
@@ -103,6 +102,12 @@ def source(ref: str | Path, download: bool = True) -> Source:
         names = ", ".join(sorted(p.name for p in snapshot.glob("*.gguf")))
         raise ValueError(f"{repo} holds GGUF files ({names}); name one: {repo}:Q4_K_M, say")
     return Source(snapshot, kind_of(snapshot), repo, snapshot.name)
+
+
+def _in_snapshot(folder: Path) -> tuple[str | None, str | None]:
+    """(repo id, commit) where `folder` is a hub-cache snapshot, else (None, None)."""
+    m = _SNAPSHOT.search(folder.resolve().as_posix())
+    return (f"{m['org']}/{m['name']}", m["rev"]) if m else (None, None)
 
 
 def gguf_file(snapshot: Path, quant: str) -> Path:
