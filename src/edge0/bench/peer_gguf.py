@@ -44,8 +44,8 @@ def sdist_version() -> str:
     """The llama-cpp-python version whose converter to use: the installed binding's, else the
     pinned one (the converter runs without the binding)."""
     try:
-        return importlib.metadata.version(DIST)
-    except importlib.metadata.PackageNotFoundError:
+        return installed_version()
+    except ImportError:
         return PINNED
 
 

@@ -19,7 +19,6 @@ Shape legend: E experts, D hidden, I expert width, R rows.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from dataclasses import dataclass
@@ -41,25 +40,22 @@ from edge0.formats.checkpoint import sha256_file
 from edge0.formats.extents import ExtentLayout
 from edge0.formats.gguf import EXACT_TYPES, GGUFFile
 from edge0.modeldir.loader import build, expert_prefixes
-from edge0.models import family, int4
+from edge0.models import ARCHITECTURES, family, int4
 from edge0.models.experts import ExpertSlot
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Arch:
     model_type: str
-    architecture: str  # transformers' class name, for config.json
     norm_topk_prob: bool  # what llama.cpp's graph does when the file does not say
     permuted_qk: bool = False  # the converter permuted q/k rows (llama's interleaved rope)
 
 
 ARCHES = {
-    "qwen3moe": Arch("qwen3_moe", "Qwen3MoeForCausalLM", norm_topk_prob=True),
-    "qwen2moe": Arch("qwen2_moe", "Qwen2MoeForCausalLM", norm_topk_prob=False),
-    "olmoe": Arch("olmoe", "OlmoeForCausalLM", norm_topk_prob=False),
-    "llama": Arch("mixtral", "MixtralForCausalLM", norm_topk_prob=True, permuted_qk=True),
+    "qwen3moe": Arch("qwen3_moe", norm_topk_prob=True),
+    "qwen2moe": Arch("qwen2_moe", norm_topk_prob=False),
+    "olmoe": Arch("olmoe", norm_topk_prob=False),
+    "llama": Arch("mixtral", norm_topk_prob=True, permuted_qk=True),
 }
 EXPERT_KINDS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 FUSED_GATE_UP = "ffn_gate_up_exps"
@@ -109,7 +105,8 @@ def hf_config(g: GGUFFile, arch: Arch) -> dict:
             "edge0's families rotate whole heads"
         )
     cfg = {
-        "architectures": [arch.architecture],
+        # transformers' class for the family, as config.json names it
+        "architectures": [next(a for a, t in ARCHITECTURES.items() if t == arch.model_type)],
         "model_type": arch.model_type,
         "vocab_size": g.shape("token_embd.weight")[0],
         "hidden_size": hidden,

@@ -24,9 +24,8 @@ import torch
 from tqdm import tqdm
 
 from edge0 import modeldir
-from edge0.convert import write_model_dir
+from edge0.convert import expected_resident, write_model_dir
 from edge0.convert.tiers import TIERS, tier_config
-from edge0.formats import int4_layout
 from edge0.formats.extents import ExtentLayout
 from edge0.formats.writer import StreamingSafetensors
 from edge0.modeldir.loader import build
@@ -67,32 +66,6 @@ class Shape:
             rope_theta=1000000.0,
             max_position_embeddings=32768,
         )
-
-
-def _resident_specs(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    d, hd = cfg["hidden_size"], cfg["head_dim"]
-    h, g, e, v = (
-        cfg["num_attention_heads"],
-        cfg["num_key_value_heads"],
-        cfg["num_experts"],
-        cfg["vocab_size"],
-    )
-    specs = [("model.embed_tokens.weight", (v, d))]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        specs += [
-            (f"{p}.input_layernorm.weight", (d,)),
-            (f"{p}.post_attention_layernorm.weight", (d,)),
-            (f"{p}.self_attn.q_proj.weight", (h * hd, d)),
-            (f"{p}.self_attn.k_proj.weight", (g * hd, d)),
-            (f"{p}.self_attn.v_proj.weight", (g * hd, d)),
-            (f"{p}.self_attn.o_proj.weight", (d, h * hd)),
-            (f"{p}.self_attn.q_norm.weight", (hd,)),
-            (f"{p}.self_attn.k_norm.weight", (hd,)),
-            (f"{p}.mlp.gate.weight", (e, d)),
-        ]
-    specs += [("model.norm.weight", (d,)), ("lm_head.weight", (v, d))]
-    return specs
 
 
 def _random(
@@ -181,7 +154,6 @@ def synth(
             source={"random_weights": True, "seed": seed, "shape": shape if tier else "custom"},
             config=cfg,
             extra=extra,
-            int4=int4_layout.host_layout().name,  # random codes: any arrangement; the host's
             resident=resident,
         )
     except BaseException:
@@ -280,7 +252,7 @@ def write_lora(folder: Path, fam, ckpt: RandomCheckpoint, rank: int, alpha: int,
 def _write_hf(out: Path, cfg: dict, gen: torch.Generator, progress: bool) -> None:
     """bf16 safetensors, per-expert keys, one shard per group of layers, with an index."""
     d, i_w, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
-    resident = dict(_resident_specs(cfg))
+    resident = expected_resident(qwen3_moe, qwen3_moe.Config.from_dict(cfg))
     per_layer = {i: [] for i in range(cfg["num_hidden_layers"])}
     for name, s in resident.items():
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else 0

@@ -62,9 +62,6 @@ class GGUFFile:
     def type_name(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
 
-    def nbytes(self, name: str) -> int:
-        return int(self.tensors[name].n_bytes)
-
     def get(self, name: str, index: int | None = None) -> torch.Tensor:
         """fp32 values of a tensor, or of its slice `index` along the leading axis (one expert
         of a stacked [E, out, in] tensor), dequantized from the mapped bytes."""
