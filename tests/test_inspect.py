@@ -464,6 +464,7 @@ def test_inspect_predicts_the_engines_allocation(tiny, which, active):
         assert planned(r.memory) == planned(engine.plan.as_dict()) | {
             "fits": True,
             "state_source": r.memory["state_source"],
+            "state_by_context": r.memory["state_by_context"],
         }
         if which == "builtin":
             assert f["adapter"] > 0 and f["heads"] > 0 and r.memory["staging_slots"] > 0
@@ -508,6 +509,7 @@ def test_a_pool_of_every_expert_serves_no_prerouter_unless_asked():
             assert planned(r.memory) == planned(plan.as_dict()) | {
                 "fits": True,
                 "state_source": r.memory["state_source"],
+                "state_by_context": r.memory["state_by_context"],
             }
         finally:
             engine.close()
@@ -549,7 +551,11 @@ def test_a_family_edge0_does_not_serve_is_still_inspected(tiny, tmp_path):
     assert r.total.params == inspect_dir(tiny / "hf").total.params
     assert r.memory["state_source"].startswith("config estimate")
     state = r.memory["floor"]["state"]
-    assert state == 3 * 100 * 2 * 2 * 16 * 4  # layers, tokens, K+V, G, Dh, fp32
+    assert state == 3 * 100 * 2 * 2 * 16 * 2  # layers, tokens, K+V, G, Dh, bf16 (the default)
+    by_kv = r.memory["state_by_context"][100]
+    assert by_kv == {"float32": 2 * state, "bfloat16": state, "int8": state // 2 * 34 // 32}
+    fp32 = inspect_dir(tmp_path / "x", max_context=100, kv_dtype=torch.float32)
+    assert fp32.memory["floor"]["state"] == 2 * state
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,7 @@ def sizes(**kw) -> ModelSizes:
         extent_bytes=MiB,
         native_top_k=2,
         served_top_k=None,
-        state_bytes=lambda n, dtype: 100 * n,
+        state_bytes=lambda n, dtype, kv: 100 * n,
         hidden_size=64,
         heads=4,
     )

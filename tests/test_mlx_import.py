@@ -153,7 +153,8 @@ def test_int4_resident_weights_keep_the_mlx_values_bit_for_bit(qwen3):
 
 
 def greedy(path, prompt):
-    engine = load_engine(path, EngineOptions(io_mode="buffered"))
+    """(KV in fp32: the two conversions' arithmetic is compared, not the cache's rounding.)"""
+    engine = load_engine(path, EngineOptions(io_mode="buffered", kv_dtype=torch.float32))
     try:
         return engine.generate(prompt, 16, SamplingParams(temperature=0)).drain().tokens
     finally:

@@ -54,7 +54,7 @@ def sizes(**kw) -> ModelSizes:
         extent_bytes=EXTENT,
         native_top_k=2,
         served_top_k=None,
-        state_bytes=lambda n, dtype: 100 * n,
+        state_bytes=lambda n, dtype, kv: 100 * n,
         prediction_routed_layers=3,
     )
     return ModelSizes(**(base | kw))

@@ -16,6 +16,7 @@ from edge0 import modeldir
 from edge0.engine.backends import BACKENDS
 from edge0.engine.options import DEFAULT_IO_MODE, INT4_ACTIVATIONS, EngineOptions
 from edge0.formats.integrity import VERIFY_READS
+from edge0.models.layers import KV_DTYPES
 from edge0.store.expert_file import IO_MODES
 from edge0.store.relayout import POLICIES
 from edge0.util import memory
@@ -227,6 +228,14 @@ def add_engine_args(
         default="float32",
         help="compute dtype of resident weights (default float32)",
     )
+    g.add_argument(
+        "--kv-dtype",
+        choices=tuple(KV_DTYPES),
+        default="bfloat16",
+        help="how the KV cache stores keys and values: bfloat16 (default, whatever --dtype), "
+        "float32, or int8 with a scale per 32 channels (about half of bfloat16's bytes; "
+        "decode then attends on the PyTorch path: docs/engine.md prices it)",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch compute threads")
     g.add_argument(
         "--prerouter",
@@ -291,6 +300,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         verify_reads=args.verify_reads,
         int4_activations=args.int4_activations,
         dtype=getattr(torch, args.dtype),
+        kv_dtype=KV_DTYPES[args.kv_dtype],
         prerouter=args.prerouter,
         no_prerouter=args.no_prerouter,
         prerouter_always=args.prerouter_always,

@@ -41,6 +41,7 @@ from edge0.formats.format import INT4
 from edge0.formats.mlx import QuantConfig, QuantParams, detect_format
 from edge0.modeldir import Header
 from edge0.models import model_type_of
+from edge0.models.layers import KV_BLOCK, KV_DTYPES
 from edge0.util import memory
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def inspect_dir(
     top_k: int | None = None,
     memory_budget: int | None = None,
     dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype = EngineOptions.kv_dtype,
     max_context: int = 4096,
     max_active: int = 1,
     prefix_cache: int | None = 0,
@@ -182,6 +184,7 @@ def inspect_dir(
             top_k=top_k,
             memory_budget=memory_budget,
             dtype=dtype,
+            kv_dtype=kv_dtype,
             max_context=max_context,
             max_active=max_active,
             prefix_cache=prefix_cache,
@@ -220,17 +223,20 @@ def read_adapters(path: Path) -> dict[str, Count]:
 # -- memory -----------------------------------------------------------------------------------
 
 
-def state_bytes(path: Path, raw: dict, tokens: int, dtype: torch.dtype) -> tuple[int, str]:
-    """Per-request state (KV cache, recurrent states) after `tokens` tokens, and its source:
-    the model's own cache, allocated on the meta device, when edge0 serves this family, else a
-    config estimate."""
+def state_bytes(
+    path: Path, raw: dict, tokens: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> tuple[int, str]:
+    """Per-request state (KV cache, recurrent states) after `tokens` tokens, keys and values
+    stored in `kv_dtype` (default: `dtype`), and its source: the model's own cache, allocated
+    on the meta device, when edge0 serves this family, else a config estimate."""
     from edge0.modeldir.loader import build
     from edge0.models import load_config
     from edge0.models.experts import ExpertSlot
 
     try:
         fam, cfg = load_config(path)
-        cache = build(fam, cfg, ExpertSlot).new_cache(tokens, dtype, device="meta")
+        model = build(fam, cfg, ExpertSlot)
+        cache = model.new_cache(tokens, dtype, device="meta", kv_dtype=kv_dtype)
         return cache.nbytes(), f"{cfg.model_type} cache"
     except ValueError as e:  # a family edge0 does not serve can still be inspected
         log.info("%s: state estimated from config.json (%s)", path, e)
@@ -247,7 +253,10 @@ def state_bytes(path: Path, raw: dict, tokens: int, dtype: torch.dtype) -> tuple
             config_value(cfg, "head_dim", default=int(cfg.get("hidden_size", 0)) // heads)
         )
         per_token = 2 * kv * head_dim
-    return full * tokens * per_token * dtype.itemsize, "config estimate (full attention only)"
+    kv = kv_dtype or dtype
+    # int8: a code a channel and an fp16 scale per KV_BLOCK of them
+    item = 1 + 2 / KV_BLOCK if kv == torch.int8 else kv.itemsize
+    return int(full * tokens * per_token * item), "config estimate (full attention only)"
 
 
 def predict_memory(
@@ -266,7 +275,7 @@ def predict_memory(
     pool in whole extents, the staging room, and the whole process's peak: runtime (this
     process's, once it holds what a server imports and the tokenizer) + working memory +
     floor + pool. A budget that cannot hold it is reported, not raised."""
-    state_source = state_bytes(path, raw, 1, options.dtype)[1]
+    state_source = state_bytes(path, raw, 1, options.dtype, options.kv_dtype)[1]
     pre = r.adapters.get("prerouter")
     sizes = ModelSizes(
         resident_params=r.resident_total.params - int4_params,
@@ -277,7 +286,7 @@ def predict_memory(
         native_top_k=r.native_top_k,
         served_top_k=served_top_k,
         served_stage_width=served_stage_width if pre else None,
-        state_bytes=lambda n, dtype: state_bytes(path, raw, n, dtype)[0],
+        state_bytes=lambda n, dtype, kv: state_bytes(path, raw, n, dtype, kv)[0],
         adapter_params=r.adapters["lora"].params if "lora" in r.adapters else 0,
         head_params=pre.params if pre else 0,
         prediction_routed_layers=_consumers(path, fmt, r.moe_layers) if pre else 0,
@@ -299,6 +308,10 @@ def predict_memory(
         }
     out = plan.as_dict()
     out.update(fits=True, predicted_peak_bytes=plan.peak_bytes, state_source=state_source)
+    out["state_by_context"] = {
+        n: {name: sizes.state_bytes(n, options.dtype, kv) for name, kv in KV_DTYPES.items()}
+        for n in sorted({plan.max_context, 4096, 32768})
+    }
     return out
 
 
@@ -405,13 +418,19 @@ def format_report(r: Report) -> str:
         f = m["floor"]
         lines += [
             "",
-            f"  edge0 at {m['dtype']}, K={m['top_k']}, {m['max_context']} tokens of context:",
+            f"  edge0 at {m['dtype']} (KV {m['kv_dtype']}), K={m['top_k']}, "
+            f"{m['max_context']} tokens of context:",
             f"    floor {_gib(f['total'])} = resident weights {_gib(f['weights'])} + LoRA "
             f"{_gib(f['adapter'])} + prerouter heads {_gib(f['heads'])} + state "
             f"{_gib(f['state'])} ({m['state_source']}, {m['max_active']} active) + prefix cache "
             f"{_gib(f['prefix_cache'])}",
             f"    experts on disk {_gib(m['experts_bytes'])}; pool {m['pool_slots']} extents "
             f"{_gib(m['pool_bytes'])} (staging needs {m['staging_slots']})",
+            "    state per request by context, KV as "
+            + ", ".join(
+                f"{n:,} tokens: " + " / ".join(f"{name} {_gib(b)}" for name, b in by_kv.items())
+                for n, by_kv in m["state_by_context"].items()
+            ),
             f"    predicted peak {_gib(m['predicted_peak_bytes'])} = runtime "
             f"{_gib(m['runtime'])} + working memory {_gib(m['workspace'])} + floor "
             f"{_gib(f['total'])} + pool {_gib(m['pool_bytes'])}",

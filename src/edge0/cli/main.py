@@ -32,6 +32,7 @@ from edge0.cli.train import add_eval_parser, add_train_parsers
 from edge0.engine.backends import BackendUnavailable
 from edge0.formats.int4_layout import LAYOUTS
 from edge0.formats.integrity import ModelDataError
+from edge0.models.layers import KV_DTYPES
 from edge0.util import malloc, memory
 
 log = logging.getLogger("edge0")
@@ -161,6 +162,12 @@ def add_inspect_parser(sub) -> None:
         default="float32",
         help="compute dtype of resident weights (the engine's default: float32)",
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=tuple(KV_DTYPES),
+        default="bfloat16",
+        help="how the KV cache stores keys and values, as the engine's flag (default bfloat16)",
+    )
     p.add_argument("--max-context", type=int, default=4096, help="tokens of KV/state to budget")
     p.add_argument(
         "--max-active",
@@ -246,6 +253,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         memory_budget=args.memory_budget,
         dtype=getattr(torch, args.dtype),
+        kv_dtype=KV_DTYPES[args.kv_dtype],
         max_context=args.max_context,
         max_active=args.max_active,
         prefix_cache=args.prefix_cache,

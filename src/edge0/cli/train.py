@@ -318,6 +318,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         lora_opd=args.lora,
         int4_floor=not args.no_int4_floor,
         int8_activations=not args.no_int8_activations,
+        kv_arms=not args.no_kv_arms,
     )
     result = evaluate.evaluate(model_dir, cfg, progress=not args.quiet)
     print(evaluate.table(result))
@@ -409,6 +410,11 @@ def add_eval_parser(sub) -> None:
         "--no-int8-activations",
         action="store_true",
         help="skip the int8-activations arm (what --int4-activations int8 costs)",
+    )
+    e.add_argument(
+        "--no-kv-arms",
+        action="store_true",
+        help="skip the KV bfloat16 and int8 arms (what --kv-dtype costs)",
     )
     e.add_argument("--json", type=Path, default=None)
     e.add_argument("--quiet", action="store_true")

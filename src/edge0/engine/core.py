@@ -141,7 +141,9 @@ class Engine:
         and a prefix cache, the cache starts with the longest prefix of the prompt that can be
         reused exactly (`req.position` tokens, none with reuse=False); prefill
         `prompt[req.position:]`."""
-        cache = self.model.new_cache(self.plan.max_context, self.options.dtype)
+        cache = self.model.new_cache(
+            self.plan.max_context, self.options.dtype, kv_dtype=self.options.kv_dtype
+        )
         if self.prerouter is None:
             req = Request(cache, None, self._exact)
         else:
@@ -223,7 +225,9 @@ class Engine:
             self.check_context(req, n)
         t = max(lengths)
         x = torch.tensor([ids + [0] * (t - len(ids)) for ids in prompts], dtype=torch.long)
-        batch = self.model.new_cache(t, self.options.dtype, batch=len(reqs))
+        batch = self.model.new_cache(
+            t, self.options.dtype, batch=len(reqs), kv_dtype=self.options.kv_dtype
+        )
         observer = None
         if self.prerouter is not None:
             states = [req.pre for req in reqs]

@@ -34,6 +34,10 @@ class EngineOptions:
     # PyTorch paths and forwards of several rows' attention stay bf16)
     int4_activations: str = "bf16"
     max_context: int = 4096  # sizes the KV part of the resident floor
+    # how keys and values are stored: bf16 (the default whatever the compute dtype: rounded
+    # once as stored), float32, or int8 (a scale per 32 channels of a token's head: ~0.53x
+    # the bytes of bf16, dequantized for each forward on the PyTorch path; layers.KVCache)
+    kv_dtype: torch.dtype = torch.bfloat16
     # requests decoding at once: each holds its own state at max_context and staging room
     max_active: int = 1
     # decode steps of the active requests run in one forward (each row its own state), and

@@ -44,7 +44,8 @@ class ModelSizes:
     extent_bytes: int
     native_top_k: int
     served_top_k: int | None  # the default K edge0.json records (None: native)
-    state_bytes: Callable[[int, torch.dtype], int]  # per-request state at a context length
+    # per-request state at a context length: (tokens, compute dtype, KV storage dtype) -> bytes
+    state_bytes: Callable[[int, torch.dtype, torch.dtype], int]
     adapter_params: int = 0  # the served LoRA
     head_params: int = 0  # the prerouter heads
     prediction_routed_layers: int = 0  # consumers of those heads
@@ -87,6 +88,7 @@ class ServingPlan:
     runtime: int = 0  # what the process held before any weight was read (MachineMemory)
     workspace: int = 0  # working memory of the largest forward (workspace_bytes)
     limit: int | None = None  # the memory limit the process runs under (its cgroup's)
+    kv_dtype: str = "bfloat16"  # how the state's keys and values are stored
 
     @property
     def prerouter(self) -> bool:
@@ -172,7 +174,9 @@ def workspace_bytes(sizes: ModelSizes, options: EngineOptions, context: int, k: 
     scores = sizes.heads * chunk * max(batch * chunk, context) * item
     routed = tokens * k * d * item * 2
     dense = 2 * sizes.extent_bytes * 8  # an expert's int4 extent dequantized to fp32, twice
-    batch_cache = sizes.state_bytes(chunk, options.dtype) * batch if batch > 1 else 0
+    batch_cache = (
+        sizes.state_bytes(chunk, options.dtype, options.kv_dtype) * batch if batch > 1 else 0
+    )
     return hidden + scores + routed + dense + batch_cache + SERVING_MARGIN
 
 
@@ -205,7 +209,7 @@ def _plan(sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemo
     # prompt plus completion, within what the model's positions were trained for
     context = min(options.max_context, sizes.position_limit or options.max_context)
     item = options.dtype.itemsize
-    one_state = sizes.state_bytes(context, options.dtype)
+    one_state = sizes.state_bytes(context, options.dtype, options.kv_dtype)
     floor = Floor(
         weights=sizes.resident_params * item + sizes.int4_bytes,
         adapter=sizes.adapter_params * item,
@@ -272,6 +276,7 @@ def _plan(sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemo
         runtime=machine.runtime,
         workspace=workspace_bytes(sizes, options, context, k),
         limit=machine.limit,
+        kv_dtype=str(options.kv_dtype).removeprefix("torch."),
     )
 
 
@@ -341,7 +346,9 @@ def model_sizes(md: ModelDir) -> ModelSizes:
         native_top_k=md.manifest.native_top_k,
         served_top_k=md.manifest.served_top_k,
         served_stage_width=md.manifest.served_stage_width,
-        state_bytes=lambda n, dtype: model.new_cache(n, dtype, device="meta").nbytes(),
+        state_bytes=lambda n, dtype, kv: model.new_cache(
+            n, dtype, device="meta", kv_dtype=kv
+        ).nbytes(),
         adapter_params=md.lora.params if md.lora else 0,
         head_params=md.heads.params if md.heads else 0,
         prediction_routed_layers=prediction_routed_layers(md.heads, layers) if md.heads else 0,

@@ -214,11 +214,13 @@ class CausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         batch: int = 1,
         device: torch.device | str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> KVCache:
         """Per-request state for up to max_context tokens, allocated now (on the meta device,
-        its `nbytes()` sizes the state without memory)."""
+        its `nbytes()` sizes the state without memory); keys and values stored in `kv_dtype`
+        (default: `dtype`)."""
         specs = [layer.mixer.cache_spec() for layer in self.backbone.layers]
-        return KVCache(specs, max_context, dtype, batch, device)
+        return KVCache(specs, max_context, dtype, batch, device, kv_dtype)
 
     def int4_weights(self, not_int4: tuple[str, ...] = ()) -> set[str]:
         """State-dict names of the weights a converted directory stores as int4: every

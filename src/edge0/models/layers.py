@@ -147,12 +147,45 @@ class ContextOverflow(ValueError):
     """More tokens than the cache was allocated for."""
 
 
+KV_BLOCK = 32  # channels per int8 scale (KVCache with kv_dtype int8)
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., Dh] -> (int8 codes [..., Dh], fp16 scales [..., Dh / block]): one symmetric
+    scale per block of KV_BLOCK channels of each token's head (the whole head where Dh is not
+    a multiple of it), absmax / 127 rounded to fp16 before it divides, so codes and scale
+    agree. Elementwise IEEE arithmetic: the same codes on every CPU."""
+    dim = x.shape[-1]
+    block = KV_BLOCK if dim % KV_BLOCK == 0 else dim
+    xb = x.float().unflatten(-1, (dim // block, block))
+    scale = (xb.abs().amax(-1) / 127).half()
+    s = scale.float()[..., None]
+    codes = torch.where(s > 0, xb / s.clamp(min=torch.finfo(torch.float16).tiny), 0)
+    return codes.round_().clamp_(-127, 127).to(torch.int8).flatten(-2), scale
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_kv's inverse, into `dtype`."""
+    blocks = scale.shape[-1]
+    x = codes.unflatten(-1, (blocks, -1)).float() * scale.float()[..., None]
+    return x.flatten(-2).to(dtype)
+
+
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
 class KVCache:
     """One request's per-layer state, allocated once for `max_context` tokens (built on the
     meta device it sizes the state without memory). Attention layers get key/value buffers
     (views of the filled part are handed to attention); recurrent layers get their fixed-size
     state (conv window, recurrent matrix), zero at the start. `length[layer]` counts the tokens
     each layer has seen.
+
+    Keys and values are stored in `kv_dtype` (default: the compute dtype `dtype`) and handed
+    to attention in the dtype they were computed in: bf16 rounds them once as they are
+    stored; int8 keeps codes and an fp16 scale per block of channels (quantize_kv) and
+    dequantizes the filled part for each forward. Recurrent states stay at the compute dtype
+    (the delta-rule matrix in fp32: StateSpec).
     """
 
     def __init__(
@@ -162,23 +195,36 @@ class KVCache:
         dtype: torch.dtype,
         batch: int = 1,
         device: torch.device | str | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.max_context = max_context
+        self.kv_dtype = kv_dtype or dtype
+        self.quantized = self.kv_dtype == torch.int8
         n = len(specs)
         self.k: list[torch.Tensor | None] = [None] * n
         self.v: list[torch.Tensor | None] = [None] * n
+        self.k_scale: list[torch.Tensor | None] = [None] * n  # int8 only
+        self.v_scale: list[torch.Tensor | None] = [None] * n
         self._state: list[tuple[torch.Tensor, ...] | None] = [None] * n
         for i, spec in enumerate(specs):
             if isinstance(spec, KVSpec):
                 shape = (batch, spec.heads, max_context)
-                self.k[i] = torch.empty(*shape, spec.k_dim, dtype=dtype, device=device)
-                self.v[i] = torch.empty(*shape, spec.v_dim, dtype=dtype, device=device)
+                self.k[i] = torch.empty(*shape, spec.k_dim, dtype=self.kv_dtype, device=device)
+                self.v[i] = torch.empty(*shape, spec.v_dim, dtype=self.kv_dtype, device=device)
+                if self.quantized:
+                    for scales, d in ((self.k_scale, spec.k_dim), (self.v_scale, spec.v_dim)):
+                        blocks = d // KV_BLOCK if d % KV_BLOCK == 0 else 1
+                        scales[i] = torch.empty(*shape, blocks, dtype=torch.float16, device=device)
             else:
                 self._state[i] = tuple(
                     torch.zeros(batch, *shape, dtype=torch.float32 if f else dtype, device=device)
                     for shape, f in zip(spec.shapes, spec.fp32, strict=True)
                 )
         self.length = [0] * n
+
+    def _buffers(self) -> list[list[torch.Tensor | None]]:
+        """Every per-position buffer list: keys, values (and their scales when int8)."""
+        return [self.k, self.v, self.k_scale, self.v_scale]
 
     def state(self, layer: int) -> tuple[torch.Tensor, ...] | None:
         """A recurrent layer's state, or None before its first token (the layer then starts
@@ -195,19 +241,29 @@ class KVCache:
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [B, G, T, *]; return all cached [B, G, S, *]."""
+        """Append k, v [B, G, T, *]; return all cached [B, G, S, *] in k's dtype."""
         n, t = self.length[layer], k.shape[2]
         self._check(layer, t)
+        s = n + t
+        self.length[layer] = s
+        if self.quantized:
+            out = []
+            for new, codes, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+                c, sc = quantize_kv(new)
+                codes[layer][:, :, n:s], scales[layer][:, :, n:s] = c, sc
+                out.append(dequantize_kv(codes[layer][:, :, :s], scales[layer][:, :, :s], k.dtype))
+            return out[0], out[1]
         buf_k, buf_v = self.k[layer], self.v[layer]
-        buf_k[:, :, n : n + t] = k
-        buf_v[:, :, n : n + t] = v
-        self.length[layer] = n + t
-        return buf_k[:, :, : n + t], buf_v[:, :, : n + t]
+        buf_k[:, :, n:s] = k
+        buf_v[:, :, n:s] = v
+        return buf_k[:, :, :s].to(k.dtype), buf_v[:, :, :s].to(v.dtype)
 
     def slot(self, layer: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's whole key and value buffers [B, G, max_context, *], for a caller that
         writes t tokens at `length[layer]` itself and then advances the length (the native
-        attention op); ContextOverflow if they do not fit."""
+        attention op, which takes float buffers, not int8 ones); ContextOverflow if they do
+        not fit."""
+        assert not self.quantized, "an int8 cache is written through update()"
         self._check(layer, t)
         return self.k[layer], self.v[layer]
 
@@ -234,7 +290,7 @@ class KVCache:
             )
 
     def nbytes(self) -> int:
-        tensors = [t for t in self.k + self.v if t is not None]
+        tensors = [t for ts in self._buffers() for t in ts if t is not None]
         tensors += [t for s in self._state if s is not None for t in s]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -251,7 +307,10 @@ class KVCache:
     def snapshot_nbytes(self, n: int) -> int:
         """Bytes a snapshot of the first n positions takes (see snapshot)."""
         per_position = sum(
-            t[:, :, :1].numel() * t.element_size() for t in self.k + self.v if t is not None
+            t[:, :, :1].numel() * t.element_size()
+            for ts in self._buffers()
+            for t in ts
+            if t is not None
         )
         states = sum(t.numel() * t.element_size() for s in self._state if s is not None for t in s)
         return n * per_position + states
@@ -268,7 +327,8 @@ class KVCache:
             return None if t is None else t[:, :, :n].clone(memory_format=torch.contiguous_format)
 
         states = [None if s is None else tuple(t.clone() for t in s) for s in self._state]
-        return CacheSnapshot(n, [cut(t) for t in self.k], [cut(t) for t in self.v], states)
+        buffers = [[cut(t) for t in ts] for ts in self._buffers()]
+        return CacheSnapshot(n, buffers, states)
 
     def copy_row(self, batch: KVCache, row: int, n: int) -> None:
         """Make this (empty, one-row) cache hold the first n positions of `batch`'s row `row`:
@@ -278,7 +338,9 @@ class KVCache:
             return [None if t is None else t[row : row + 1] for t in ts]
 
         assert not batch.recurrent, "a recurrent state cannot be cut to a row's length"
-        self.restore(CacheSnapshot(n, rows(batch.k), rows(batch.v), [None] * len(batch.k)), n)
+        assert batch.kv_dtype == self.kv_dtype, (batch.kv_dtype, self.kv_dtype)
+        buffers = [rows(ts) for ts in batch._buffers()]
+        self.restore(CacheSnapshot(n, buffers, [None] * len(batch.k)), n)
 
     def restore(self, snap: CacheSnapshot, n: int) -> None:
         """Make this cache hold the first n positions of `snap`. Attention keys and values cut
@@ -290,9 +352,9 @@ class KVCache:
                 f"a recurrent state of {snap.length} tokens cannot be cut back to {n} tokens"
             )
         for i in range(len(self.length)):
-            if self.k[i] is not None:
-                self.k[i][:, :, :n] = snap.k[i][:, :, :n]
-                self.v[i][:, :, :n] = snap.v[i][:, :, :n]
+            for bufs, saved in zip(self._buffers(), snap.buffers, strict=True):
+                if bufs[i] is not None:
+                    bufs[i][:, :, :n] = saved[i][:, :, :n]
             if self._state[i] is not None:
                 for buf, saved in zip(self._state[i], snap.state[i], strict=True):
                     buf.copy_(saved)
@@ -320,7 +382,12 @@ class RowCaches:
     def attend_scaled(self, layer, q, k, v, scale: float, window: int | None) -> torch.Tensor:
         """attend() with layers.attend; a token a row without a window in one call of the
         native op (`attend_rows`, native/decode_ops.cpp), which does the same per row."""
-        if self.attend_rows is None or window is not None or q.shape[2] != 1:
+        if (
+            self.attend_rows is None
+            or window is not None
+            or q.shape[2] != 1
+            or any(c.quantized for c in self.rows)
+        ):
             return self.attend(layer, q, k, v, lambda q, k, v: attend(q, k, v, scale, window))
         slots = [c.slot(layer, 1) for c in self.rows]
         n = [c.length[layer] for c in self.rows]
@@ -347,11 +414,11 @@ class RowCaches:
 @dataclass
 class CacheSnapshot:
     """A copy of a KVCache's first `length` positions: keys and values [B, G, length, *] of
-    attention layers, and recurrent layers' states after exactly `length` tokens."""
+    attention layers (KVCache._buffers: with their scales when int8), and recurrent layers'
+    states after exactly `length` tokens."""
 
     length: int
-    k: list[torch.Tensor | None]
-    v: list[torch.Tensor | None]
+    buffers: list[list[torch.Tensor | None]]
     state: list[tuple[torch.Tensor, ...] | None]
 
     @property
@@ -359,7 +426,7 @@ class CacheSnapshot:
         return any(s is not None for s in self.state)
 
     def nbytes(self) -> int:
-        tensors = [t for t in self.k + self.v if t is not None]
+        tensors = [t for ts in self.buffers for t in ts if t is not None]
         tensors += [t for s in self.state if s is not None for t in s]
         return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -136,7 +136,9 @@ void norm_in_place(at::Tensor& rows, const at::Tensor& weight, double eps, int64
 // loops over floats that round where the module's ops round (norms.cpp; `lanes`:
 // sum_lanes), the products edge0's int4 kernels or ATen's on all B rows at once, as the
 // module's, SDPA ATen's: bit-identical to the module path. `cos` and `sin` hold a row of Dh
-// per sequence. In fp32 it works on the tensors' memory directly, without conversions.
+// per sequence. The caches are in x's dtype, or bf16 under fp32 (KVCache's kv_dtype: keys
+// and values rounded as stored, read back in fp32). In fp32 it works on the tensors' memory
+// directly, without conversions.
 std::vector<at::Tensor> attention_rows(
     const at::Tensor& x, const at::Tensor& input_norm, double input_eps,
     const at::Tensor& post_norm, double post_eps, at::TensorList q_proj, at::TensorList k_proj,
@@ -162,8 +164,9 @@ std::vector<at::Tensor> attention_rows(
   TORCH_CHECK(head_dim % 2 == 0, "rotary needs an even head dim");
   for (int64_t b = 0; b < rows; ++b) {
     const at::Tensor &kc = k_caches[b], &vc = v_caches[b];
-    TORCH_CHECK(kc.scalar_type() == dtype && vc.scalar_type() == dtype, "row ", b,
-                ": the cache buffers must be in x's dtype");
+    TORCH_CHECK((kc.scalar_type() == dtype || kc.scalar_type() == at::kBFloat16) &&
+                    vc.scalar_type() == kc.scalar_type(),
+                "row ", b, ": the cache buffers must be in x's dtype or bf16");
     TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.size(0) == 1 &&
                     kc.size(1) == kv_heads && kc.size(3) == head_dim && vc.sizes() == kc.sizes(),
                 "row ", b, ": the cache buffers must be contiguous [1, G, max, Dh]");
@@ -204,8 +207,9 @@ std::vector<at::Tensor> attention_rows(
   outs.reserve(rows);
   for (int64_t b = 0; b < rows; ++b) {
     outs.push_back(at::scaled_dot_product_attention(
-        qs.narrow(0, b, 1), k_caches[b].narrow(2, 0, n[b] + 1),
-        v_caches[b].narrow(2, 0, n[b] + 1), std::nullopt, 0.0, false, scale, kv_heads != heads));
+        qs.narrow(0, b, 1), k_caches[b].narrow(2, 0, n[b] + 1).to(dtype),
+        v_caches[b].narrow(2, 0, n[b] + 1).to(dtype), std::nullopt, 0.0, false, scale,
+        kv_heads != heads));
   }
   const at::Tensor out = rows == 1 ? outs[0] : at::cat(outs);
   const at::Tensor o = floats(project(out.transpose(1, 2).reshape({rows, 1, -1}), {o_proj},
@@ -314,9 +318,11 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 " is past its cache");
     kc.narrow(2, n[b], 1).copy_(k.narrow(0, b, 1));
     vc.narrow(2, n[b], 1).copy_(v.narrow(0, b, 1));
+    // a cache stored in bf16 under fp32 compute is read back in q's dtype, as KVCache.update
+    const auto dt = q.scalar_type();
     outs.push_back(at::scaled_dot_product_attention(
-        q.narrow(0, b, 1), kc.narrow(2, 0, n[b] + 1), vc.narrow(2, 0, n[b] + 1), std::nullopt,
-        0.0, false, scale, gqa));
+        q.narrow(0, b, 1), kc.narrow(2, 0, n[b] + 1).to(dt), vc.narrow(2, 0, n[b] + 1).to(dt),
+        std::nullopt, 0.0, false, scale, gqa));
   }
   return at::cat(outs).transpose(1, 2).reshape({rows, 1, -1});
 }

@@ -10,6 +10,10 @@ Arms (each adds one thing to the one above it):
                        expert's and (int4 floor) attention projection's inputs quantized as
                        `--int4-activations int8` quantizes them, per group of 64
                        (quant.fake_quantize_activations); `int8_activations=False` skips it
+  KV bfloat16, KV int8 the "int4 native K" arm again with its keys and values kept in a KV
+                       cache as `--kv-dtype` stores them (bf16, the default; int8, a scale
+                       per 32 channels), each also compared with the bf16 cache (KL
+                       columns "vs"); `kv_arms=False` skips them
   int4 served K        ... serving K experts per token
   + prerouter          ... consumer layers routed by the heads' predictions
   + LoRA (phase 2)     ... with the SFT adapter
@@ -46,8 +50,9 @@ from edge0.convert import convert
 from edge0.engine.plan import resolve_top_k
 from edge0.formats import quant
 from edge0.models import lora
+from edge0.models.base import Forward
 from edge0.models.experts import ResidentExperts
-from edge0.models.layers import Attention
+from edge0.models.layers import KV_DTYPES, Attention
 from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common
 from edge0.train.student import load_student, load_teacher
@@ -66,6 +71,7 @@ class EvalConfig:
     stage_widths: tuple[int, ...] | None = None  # W > K arms (None: 1.5K and 2K)
     int4_floor: bool = True  # price an int4 resident floor when MODEL_DIR's is bf16
     int8_activations: bool = True  # price --int4-activations int8 at native K
+    kv_arms: bool = True  # price --kv-dtype bfloat16 and int8 at native K
 
 
 def default_paths(model_dir: Path, cfg: EvalConfig) -> EvalConfig:
@@ -101,6 +107,10 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
         int8_activations(int8.model, attention=floor == "int4")
         label = f"int4, native routing, native K={native.top_k}, int8 activations"
         out.append((label, lambda t: int8.forward(t, 1)))
+    if cfg.kv_arms:
+        for name in ("bfloat16", "int8"):
+            label = f"int4, native routing, native K={native.top_k}, KV {name}"
+            out.append((label, _cached(native.model, KV_DTYPES[name])))
     served_k = resolve_top_k(cfg.top_k, manifest.served_top_k, manifest.native_top_k)
     if served_k != native.top_k:
         served = load_student(model_dir, top_k=served_k, heads=False)
@@ -123,6 +133,20 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
             if opd is not None:  # the same phase-3 model, routed at W
                 out.append((f"W={w}: + phase 3", _wide(opd, w)))
     return out
+
+
+KV_REFERENCE = "KV bfloat16"  # the arm the KV arms are also compared with (table: "vs")
+
+
+def _cached(model, kv_dtype: torch.dtype):
+    """The model over a window with its keys and values kept in a cache of `kv_dtype` (what
+    a decoding request attends to: every position's keys as stored)."""
+
+    def forward(t):
+        cache = model.new_cache(t.shape[1], next(model.parameters()).dtype, kv_dtype=kv_dtype)
+        return model(t, Forward(cache))
+
+    return forward
 
 
 def int8_activations(model: torch.nn.Module, attention: bool) -> None:
@@ -173,19 +197,24 @@ def evaluate(model_dir: Path, cfg: EvalConfig, progress: bool = True) -> dict:
     stream, data_hash = common.token_stream(list(cfg.data), "heldout", tok)
     windows = common.fixed_windows(stream, cfg.windows, cfg.seq_len)
     models = arms(model_dir, cfg)
-    sums = {label: {"nll": 0.0, "agree": 0, "kl": 0.0} for label, _ in models}
+    sums = {label: {"nll": 0.0, "agree": 0, "kl": 0.0, "kl_vs": 0.0} for label, _ in models}
+    vs = next((label for label, _ in models if label.endswith(KV_REFERENCE)), None)
     n = 0
     for w in tqdm(windows, desc="eval", unit="window", disable=not progress):
         x, y = w[None, :-1], w[None, 1:]
-        ref = None
+        ref = kv_ref = None
         for label, fn in models:
             logp = F.log_softmax(fn(x).float(), dim=-1)[0]  # [T, V]
             if ref is None:
                 ref = logp
+            if label == vs:
+                kv_ref = logp
             s = sums[label]
             s["nll"] -= logp.gather(-1, y[0][:, None]).sum().item()
             s["agree"] += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
             s["kl"] += (ref.exp() * (ref - logp)).sum().item()
+            if " KV " in label and kv_ref is not None:
+                s["kl_vs"] += (kv_ref.exp() * (kv_ref - logp)).sum().item()
         n += y.numel()
     rows = []
     teacher_ppl = math.exp(sums[models[0][0]]["nll"] / n)
@@ -201,6 +230,8 @@ def evaluate(model_dir: Path, cfg: EvalConfig, progress: bool = True) -> dict:
                 "kl_teacher_arm": s["kl"] / n,
             }
         )
+        if " KV " in label and vs is not None:
+            rows[-1].update(vs=vs, kl_vs_arm=s["kl_vs"] / n)
     return {
         "model": str(model_dir),
         "teacher": str(cfg.teacher),
@@ -227,6 +258,10 @@ def table(result: dict) -> str:
             f"| {r['arm']} | {r['perplexity']:.3f} | {100 * r['ppl_vs_teacher']:+.2f}% | "
             f"{100 * r['top1_agreement']:.2f}% | {r['kl_teacher_arm']:.4f} |"
         )
+    vs = [r for r in result["arms"] if "kl_vs_arm" in r]
+    if vs:
+        lines.append("")
+    lines += [f"{r['arm']}: KL({r['vs']}‖arm) {r['kl_vs_arm']:.2e}" for r in vs]
     lines.append(
         f"\n{result['tokens']} held-out tokens in {result['windows']} windows of "
         f"{result['seq_len']}"

@@ -215,7 +215,7 @@ class NativeLayer:
             return self.layer(x, rope, fwd)
         if type(cache) is RowCaches and x.shape[1] == 1:
             return self._rows(x, rope, fwd, args)
-        if x.shape[:2] != (1, 1) or type(cache) is not KVCache:
+        if x.shape[:2] != (1, 1) or type(cache) is not KVCache or cache.quantized:
             return self.layer(x, rope, fwd)
         n = cache.length[a.layer]
         k_buf, v_buf = cache.slot(a.layer, 1)
@@ -229,7 +229,7 @@ class NativeLayer:
     def _rows(self, x: torch.Tensor, rope, fwd, args) -> torch.Tensor:
         """A batched decode step's rows x [B, 1, D] (fwd: a RowsForward) through the layer."""
         layer, caches = self.mixer.layer, fwd.cache.rows
-        if any(type(c) is not KVCache for c in caches):
+        if any(type(c) is not KVCache or c.quantized for c in caches):
             return self.layer(x, rope, fwd)
         slots = [c.slot(layer, 1) for c in caches]
         n = [c.length[layer] for c in caches]
