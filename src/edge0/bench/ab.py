@@ -9,6 +9,7 @@ can at best turn C + D into max(C, D); the table reports how close each arm come
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -30,6 +31,7 @@ from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
 from edge0.store.expert_file import read_table
 from edge0.text import corpus
 from edge0.util import cgroup, memory
+from edge0.util.throttle import ReadThrottle
 
 ARMS = ("prerouter", "ondemand", "resident")
 
@@ -47,6 +49,7 @@ class BenchConfig:
     expert_cache: int | None = None
     prerouter: Path | None = None
     threads: int | None = None
+    read_bandwidth: int | None = None  # bytes/s the capped arms read the disk at (a throttle)
 
 
 def _valid_arm(arm: str) -> bool:
@@ -106,7 +109,21 @@ def warm_start_heads(model_dir: Path, out: Path, k: int) -> Path:
     return out
 
 
-def run_arm(spec: dict, cap: int | None, workdir: Path) -> dict:
+def throttled_bandwidth(path: Path, extent: int, throttle: ReadThrottle) -> float:
+    """disk_bandwidth measured by a child process inside the read throttle."""
+    code = (
+        "import sys; from pathlib import Path; from edge0.bench.ab import disk_bandwidth; "
+        "print(disk_bandwidth(Path(sys.argv[1]), int(sys.argv[2])))"
+    )
+    join = f'echo $$ > {throttle.procs} && exec "$@"'
+    cmd = ["sh", "-c", join, "edge0-throttled", sys.executable, "-c", code, str(path), str(extent)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(proc.stdout.split()[-1])
+
+
+def run_arm(
+    spec: dict, cap: int | None, workdir: Path, throttle: ReadThrottle | None = None
+) -> dict:
     spec_path = workdir / f"{spec['arm']}.spec.json"
     out_path = workdir / f"{spec['arm']}.out.json"
     spec_path.write_text(json.dumps(spec))
@@ -115,7 +132,7 @@ def run_arm(spec: dict, cap: int | None, workdir: Path) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         usage, code, err = None, proc.returncode, proc.stderr
     else:
-        res = cgroup.run_capped(cmd, cap)
+        res = cgroup.run_capped(cmd, cap, also=(throttle.procs,) if throttle else ())
         usage, code, err = res.max_usage_bytes, res.returncode, res.stderr
     if code != 0:
         why = f"exit {code}"
@@ -144,10 +161,23 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
     if capped and not cgroup.available():
         raise PermissionError("memory caps need root and cgroup v1 (/sys/fs/cgroup/memory)")
     tokens = replay_tokens(model_dir, 1 + cfg.warmup + cfg.tokens)
-    bandwidth = disk_bandwidth(model_dir / EXPERTS_FILE, extent)
     results: dict[str, list[dict]] = {a: [] for a in cfg.arms}
     notes = []
-    with tempfile.TemporaryDirectory(prefix="edge0-bench-") as tmp:
+    with contextlib.ExitStack() as stack:
+        throttle = None
+        if cfg.read_bandwidth is not None:  # the kernel limits the capped arms' disk reads
+            throttle = stack.enter_context(
+                ReadThrottle(model_dir / EXPERTS_FILE, cfg.read_bandwidth)
+            )
+            bandwidth = throttled_bandwidth(model_dir / EXPERTS_FILE, extent, throttle)
+            dev = "{}:{}".format(*throttle.device)
+            notes.append(
+                f"capped arms read device {dev} through a cgroup v{throttle.version} read "
+                f"throttle of {cfg.read_bandwidth / 1e9:.2f} GB/s"
+            )
+        else:
+            bandwidth = disk_bandwidth(model_dir / EXPERTS_FILE, extent)
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="edge0-bench-"))
         k = resolve_top_k(cfg.top_k, manifest.served_top_k, manifest.native_top_k)
         heads = cfg.prerouter or model_dir / modeldir.PREROUTER_FILE
         with_heads = "prerouter" in map(base, cfg.arms)
@@ -195,8 +225,14 @@ def run_bench(model_dir: Path, cfg: BenchConfig) -> dict:
                     "prerouter": str(heads),
                     "threads": cfg.threads,
                 }
+                resident = base(arm) == "resident"  # (unthrottled and uncapped: C)
                 results[arm].append(
-                    run_arm(spec, None if base(arm) == "resident" else cfg.memory_cap, Path(tmp))
+                    run_arm(
+                        spec,
+                        None if resident else cfg.memory_cap,
+                        Path(tmp),
+                        None if resident else throttle,
+                    )
                 )
     return summarize(results, cfg, k, bandwidth, expert_bytes, pool, meta, notes)
 
@@ -250,6 +286,7 @@ def summarize(results, cfg, k, bandwidth, expert_bytes, pool, meta, notes) -> di
         "expert_bytes": expert_bytes,
         "experts_over_cap": expert_bytes / cfg.memory_cap,
         "disk_bandwidth_bytes_per_s": bandwidth,
+        "read_bandwidth": cfg.read_bandwidth,
         "C_ms": c_ms,
         "tokens": cfg.tokens,
         "rounds": cfg.rounds,

@@ -28,7 +28,23 @@ def add_bench_parser(sub) -> None:
         "prerouter+wN stages N experts per layer (--stage-width N), prerouter+thread and "
         "prerouter+inline run the heads on a thread of their own or on the decoding thread",
     )
-    b.add_argument("--top-k", type=int, default=None, help="routed experts per token")
+    b.add_argument(
+        "--top-k",
+        type=top_ks,
+        default=None,
+        help="routed experts per token; with --read-bandwidth a list, e.g. 2,4,8",
+    )
+    b.add_argument(
+        "--read-bandwidth",
+        default=None,
+        metavar="RATES",
+        help="run the capped arms under a kernel read throttle on the model's disk (cgroup "
+        "blkio v1 or io.max v2), once per rate, e.g. 0.2G,0.5G,1G,2G,none (GB/s; none: "
+        "unthrottled); with --plot, tok/s against the rate",
+    )
+    b.add_argument(
+        "--plot", type=Path, default=None, help="--read-bandwidth: write the sweep's PNG here"
+    )
     b.add_argument(
         "--memory-cap",
         type=memory.parse_size,
@@ -191,10 +207,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from edge0.bench.ab import BenchConfig, report, run_bench
 
     model_dir = model_path(args.model_dir)
+    ks = args.top_k or [None]
+    if len(ks) > 1 and args.read_bandwidth is None:
+        raise ValueError("--top-k: a list of K is for a --read-bandwidth sweep")
 
     cfg = BenchConfig(
         arms=tuple(a.strip() for a in args.arms.split(",")),
-        top_k=args.top_k,
+        top_k=ks[0],
         memory_cap=args.memory_cap,
         tokens=args.tokens,
         rounds=args.rounds,
@@ -204,11 +223,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prerouter=args.prerouter,
         threads=args.threads,
     )
+    if args.read_bandwidth is not None:
+        return bench_sweep(args, model_dir, cfg, ks)
     summary = run_bench(model_dir, cfg)
 
     print(report(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def top_ks(text: str) -> list[int]:
+    try:
+        ks = [int(k) for k in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: K or a list of K like 2,4,8") from None
+    if any(k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"{text!r}: every K must be at least 1")
+    return ks
+
+
+def bench_sweep(args: argparse.Namespace, model_dir: Path, cfg, ks: list) -> int:
+    """The A/B once per K and read rate (bench/sweep.py), with its table, JSON and plot."""
+    from edge0.bench import sweep
+    from edge0.engine.plan import resolve_top_k
+    from edge0.modeldir import Manifest
+
+    rates = sweep.parse_rates(args.read_bandwidth)
+    manifest = Manifest.load(model_dir)
+    ks = [resolve_top_k(k, manifest.served_top_k, manifest.native_top_k) for k in ks]
+    summary = sweep.run_sweep(model_dir, cfg, ks, rates)
+    print(sweep.sweep_report(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    if args.plot:
+        title = f"{model_dir.name}: cap {memory.format_bytes(cfg.memory_cap)}"
+        print(f"wrote {sweep.plot(summary, args.plot, title)}")
     return 0
 
 

@@ -43,8 +43,11 @@ class CappedGroup:
         self.path.mkdir()
         (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
 
-    def command(self, cmd: list[str]) -> list[str]:
-        join = f'echo $$ > {self.path / "cgroup.procs"} && exec "$@"'
+    def command(self, cmd: list[str], also: tuple[Path, ...] = ()) -> list[str]:
+        """cmd, joining this group (and the groups whose cgroup.procs `also` names: a read
+        throttle's, util/throttle.py) before it execs."""
+        procs = (self.path / "cgroup.procs", *also)
+        join = " && ".join(f"echo $$ > {p}" for p in procs) + ' && exec "$@"'
         return ["sh", "-c", join, "edge0-capped", *cmd]
 
     @property
@@ -67,11 +70,13 @@ def run_capped(
     limit_bytes: int,
     timeout: float | None = None,
     env: dict[str, str] | None = None,
+    also: tuple[Path, ...] = (),
 ) -> CappedRun:
-    """Run cmd with memory.limit_in_bytes = limit_bytes; the group is removed afterwards."""
+    """Run cmd with memory.limit_in_bytes = limit_bytes (and in the groups `also` names);
+    the group is removed afterwards."""
     with CappedGroup(limit_bytes) as group:
         proc = subprocess.run(
-            group.command(cmd), capture_output=True, text=True, timeout=timeout, env=env
+            group.command(cmd, also), capture_output=True, text=True, timeout=timeout, env=env
         )
         return CappedRun(
             proc.returncode, group.max_usage_bytes, group.failcnt, proc.stdout, proc.stderr
