@@ -95,11 +95,11 @@ def test_generate_with_no_model_argument(capsys, tmp_path):
 
 
 def test_generate_under_a_budget_routes_by_the_prerouter(capsys, tmp_path):
-    """A budget whose pool holds some of the experts: the prerouter's predictions route 7
-    layers, and every routed expert was staged."""
+    """A pool that holds some of the experts (164 of 256): the prerouter's predictions route
+    7 layers, and every routed expert was staged."""
     stats = tmp_path / "s.json"
     argv = ["generate", "--prompt", "def read_config(path):\n", "--max-tokens", "24"]
-    argv += ["--temperature", "0", "--max-context", "256", "--memory-budget", "28M"]
+    argv += ["--temperature", "0", "--max-context", "256", "--expert-cache", "9M"]
     code = cli.main(argv + ["--stats-json", str(stats)])
     _, err = capsys.readouterr()
     assert code == 0, err

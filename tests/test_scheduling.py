@@ -33,6 +33,7 @@ from edge0.engine.scheduler import REUSE_TOKENS, SHORT_PREFILL, Turn
 from edge0.server.app import ServerOptions, create_app
 from edge0.server.arrivals import Arrivals
 from edge0.server.worker import Done, Job, Token, Worker
+from edge0.util.memory import MachineMemory
 from edge0.util.threads import single_threaded_pool
 from test_families import make_checkpoint
 from test_server import live_server, make_chat_model
@@ -86,6 +87,27 @@ def test_a_budget_too_small_for_the_active_requests_names_what_is_missing():
     assert "memory_budget" in msg and "1 B more needed" in msg, msg
     assert "max_active 3" in msg and "prefix_cache" in msg and "24 experts" in msg, msg
     assert "--max-active" in with_flags(msg) and "--prefix-cache" in with_flags(msg)
+
+
+def test_a_process_budget_counts_the_runtime_and_working_memory():
+    """--memory-budget is the whole process: the pool gets what the runtime the process holds,
+    the working memory of its largest forward and the floor leave; one byte short of the
+    pins it needs is refused naming all four."""
+    machine = MachineMemory(runtime=300 << 20, limit=None, available=1 << 40)
+    opts = dict(max_context=64, **HEADS)
+    bare = make_plan(sizes(), EngineOptions(**opts, memory_budget=1 << 20), machine)
+    held = machine.runtime + bare.workspace + bare.floor.total
+    budget = held + 20 * EXTENT + EXTENT // 2
+    plan = make_plan(sizes(), EngineOptions(**opts, process_budget=budget), machine)
+    assert plan.pool_slots == 20 and plan.process_budget == budget
+    assert plan.peak_bytes == held + 20 * EXTENT <= budget < plan.peak_bytes + EXTENT
+    need = plan.staging_slots
+    with pytest.raises(ValueError) as e:
+        make_plan(sizes(), EngineOptions(**opts, process_budget=held + need * EXTENT - 1), machine)
+    msg = str(e.value)
+    assert "the whole process" in msg and "runtime 300.00 MiB" in msg, msg
+    assert "working memory" in msg and "resident floor" in msg and "1 B more needed" in msg
+    assert "--memory-budget" in with_flags(msg)
 
 
 @pytest.mark.parametrize(

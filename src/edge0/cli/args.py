@@ -24,6 +24,7 @@ from edge0.util import memory
 # Library errors name option fields; the CLI says which flag sets each.
 FLAGS = {
     "top_k": "--top-k",
+    "process_budget": "--memory-budget",
     "memory_budget": "--memory-budget",
     "expert_cache": "--expert-cache",
     "max_context": "--max-context",
@@ -108,7 +109,8 @@ def add_engine_args(
         "--memory-budget",
         type=memory.parse_size,
         default=None,
-        help="total bytes for resident weights, KV cache and expert pool, e.g. 2G",
+        help="bytes for the whole process, e.g. 3G: the runtime (Python, torch, tokenizer), "
+        "working memory, resident weights, KV cache, and the expert pool, which gets the rest",
     )
     g.add_argument(
         "--expert-cache",
@@ -284,7 +286,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         torch.set_num_threads(args.threads)
     return EngineOptions(
         top_k=args.top_k,
-        memory_budget=args.memory_budget,
+        process_budget=args.memory_budget,
         expert_cache=args.expert_cache,
         io_mode=args.io_mode,
         io_threads=args.io_threads,

@@ -81,6 +81,7 @@ def inspect_dir(
     *,
     top_k: int | None = None,
     memory_budget: int | None = None,
+    process_budget: int | None = None,
     dtype: torch.dtype = torch.float32,
     kv_dtype: torch.dtype = EngineOptions.kv_dtype,
     max_context: int = 4096,
@@ -183,6 +184,7 @@ def inspect_dir(
         options = EngineOptions(
             top_k=top_k,
             memory_budget=memory_budget,
+            process_budget=process_budget,
             dtype=dtype,
             kv_dtype=kv_dtype,
             max_context=max_context,
@@ -303,6 +305,7 @@ def predict_memory(
             "fits": False,
             "predicted_peak_bytes": None,
             "memory_budget": options.memory_budget,
+            "process_budget": options.process_budget,
             "state_source": state_source,
             "note": str(e),
         }

@@ -154,7 +154,8 @@ def add_inspect_parser(sub) -> None:
         "--memory-budget",
         type=memory.parse_size,
         default=None,
-        help="predict edge0's peak memory under this budget, e.g. 3G",
+        help="predict edge0's peak memory under this budget for the whole process, as "
+        "serve's --memory-budget, e.g. 3G",
     )
     p.add_argument(
         "--dtype",
@@ -251,7 +252,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     report = inspect_dir(
         source_path(args.model_dir),
         top_k=args.top_k,
-        memory_budget=args.memory_budget,
+        process_budget=args.memory_budget,
         dtype=getattr(torch, args.dtype),
         kv_dtype=KV_DTYPES[args.kv_dtype],
         max_context=args.max_context,

@@ -198,9 +198,10 @@ def add_train_parsers(sub) -> None:
     he.add_argument("--heldout-tokens", type=int, default=16_000)
     he.add_argument(
         "--memory-budget",
+        dest="process_budget",
         type=memory.parse_size,
         default=None,
-        help="bytes for the model while routing the corpus: resident floor + expert pool "
+        help="bytes for the whole process while routing the corpus, as serve's flag "
         "(default: what memory allows, as for serving); the collected data goes to files",
     )
     he.add_argument("--epochs", type=int, default=6)

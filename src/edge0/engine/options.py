@@ -17,7 +17,13 @@ INT4_ACTIVATIONS = ("int8", "bf16")  # EngineOptions.int4_activations
 @dataclass
 class EngineOptions:
     top_k: int | None = None  # serve this many experts per token (default: native)
-    memory_budget: int | None = None  # bytes for resident floor + expert pool
+    # bytes for the whole process (the CLI's --memory-budget): the runtime it holds before any
+    # weight (measured), the working memory of its largest forward, the resident floor and
+    # the expert pool, which gets what the others leave (engine/plan.py)
+    process_budget: int | None = None
+    # bytes for resident floor + expert pool alone: for callers that keep their own reserve
+    # for the runtime (the benches, under a cgroup cap) and tests
+    memory_budget: int | None = None
     expert_cache: int | None = None  # bytes for the expert pool (overrides the budget split)
     io_mode: str = DEFAULT_IO_MODE
     io_threads: int = 4

@@ -89,6 +89,7 @@ class ServingPlan:
     workspace: int = 0  # working memory of the largest forward (workspace_bytes)
     limit: int | None = None  # the memory limit the process runs under (its cgroup's)
     kv_dtype: str = "bfloat16"  # how the state's keys and values are stored
+    process_budget: int | None = None  # the whole process's budget, if one was given
 
     @property
     def prerouter(self) -> bool:
@@ -189,7 +190,7 @@ def _check_limit(plan: ServingPlan) -> None:
         f"peak {fmt(plan.peak_bytes)}: runtime {fmt(plan.runtime)} + working memory "
         f"{fmt(plan.workspace)} + resident floor {fmt(plan.floor.total)} + expert pool "
         f"{fmt(plan.pool_bytes)}; {fmt(plan.peak_bytes - plan.limit)} more needed (lower "
-        "memory_budget, expert_cache, max_context or max_active, or raise the limit)"
+        "process_budget, expert_cache, max_context or max_active, or raise the limit)"
     )
 
 
@@ -219,6 +220,8 @@ def _plan(sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemo
     )
     extent = sizes.extent_bytes
     all_slots = sizes.moe_layers * sizes.experts_per_layer
+    workspace = workspace_bytes(sizes, options, context, k)
+    held = machine.runtime + workspace + floor.total  # the whole process but the pool
     # A prediction-routed step pins every consumer's staged set plus the layer being read, and
     # every other active request keeps its staged sets pinned between its steps.
     # asked for, else the recorded default (if not below this K), else K
@@ -236,6 +239,8 @@ def _plan(sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemo
     notes = []
     if options.expert_cache is not None:
         slots, source = options.expert_cache // extent, "expert_cache"
+    elif options.process_budget is not None:
+        slots, source = max(0, options.process_budget - held) // extent, "process_budget"
     elif options.memory_budget is not None:
         slots, source = max(0, options.memory_budget - floor.total) // extent, "memory_budget"
     else:  # everything if it fits in a quarter of what the process may still take
@@ -248,6 +253,14 @@ def _plan(sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemo
         else:
             pins = f"decode pins (1 layer x {k})"
         pins = f"{need} experts of {extent} bytes that {pins}"
+        if source == "process_budget":
+            fmt = memory.format_bytes
+            raise ValueError(
+                f"process_budget {fmt(options.process_budget)} (the whole process) is below "
+                f"the runtime {fmt(machine.runtime)} + working memory {fmt(workspace)} + "
+                f"resident floor {fmt(floor.total)}{_floor_parts(floor, active)} plus the "
+                f"{pins}: {fmt(held + need * extent - options.process_budget)} more needed"
+            )
         if source == "memory_budget":
             missing = memory.format_bytes(floor.total + need * extent - options.memory_budget)
             raise ValueError(
@@ -274,9 +287,10 @@ def _plan(sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemo
         memory_budget=options.memory_budget,
         notes=notes,
         runtime=machine.runtime,
-        workspace=workspace_bytes(sizes, options, context, k),
+        workspace=workspace,
         limit=machine.limit,
         kv_dtype=str(options.kv_dtype).removeprefix("torch."),
+        process_budget=options.process_budget,
     )
 
 

@@ -51,6 +51,7 @@ class HeadsConfig:
     heldout_tokens: int = 16_000
     seq_len: int = 256
     memory_budget: int | None = None  # bytes for the model while collecting (default: the plan's)
+    process_budget: int | None = None  # bytes for the whole process instead (--memory-budget)
     epochs: int = 6
     batch: int = 512
     lr: float = 1e-3
@@ -180,6 +181,7 @@ def train_heads(
     options = EngineOptions(
         top_k=cfg.top_k,
         memory_budget=cfg.memory_budget,
+        process_budget=cfg.process_budget,
         max_context=cfg.seq_len,
         no_prerouter=True,
         no_lora=True,
