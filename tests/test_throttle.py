@@ -157,3 +157,26 @@ def test_the_benchs_capped_arms_read_through_the_throttle(tmp_path):
     for arm in ("prerouter", "ondemand"):
         assert s["arms"][arm]["bytes_per_step"] > 0 and s["arms"][arm]["dropped"] == 0
     json.dumps(s)  # the summary is JSON as the CLI writes it
+
+
+def point(k, rate, disk, pre_tok_s, od_tok_s, step_bytes=100 << 20):
+    arm = lambda t: {"decode_tok_s": {"median": t}, "bytes_per_step": step_bytes}  # noqa: E731
+    return {
+        "top_k": k,
+        "read_bandwidth": rate,
+        "disk_bandwidth_bytes_per_s": disk,
+        "C_ms": 300.0,
+        "arms": {"prerouter": arm(pre_tok_s), "ondemand": arm(od_tok_s)},
+    }
+
+
+def test_the_plots_series_keep_throttled_and_unthrottled_runs_apart():
+    s = {"points": [point(4, None, 1.7e9, 3.0, 2.2), point(4, 5e8, 5e8, 1.9, 1.9),
+                    point(4, 1e9, 1e9, 2.4, 1.9)]}  # fmt: skip
+    d = sweep.series(s)[4]
+    assert d["gb_s"] == [0.5, 1.0] and d["prerouter"] == [1.9, 2.4] and d["ondemand"] == [1.9, 1.9]
+    assert d["free_gb_s"] == [1.7] and d["free_prerouter"] == [3.0]
+    # the bound: 1 / max(C, D) with D the prerouter's bytes at each rate of the grid
+    for g, t in zip(d["bound_gb_s"], d["bound_tok_s"], strict=True):
+        assert t == pytest.approx(1e3 / max(300.0, 1e3 * (100 << 20) / (g * 1e9)))
+    assert min(d["bound_gb_s"]) < 0.5 and max(d["bound_gb_s"]) > 1.7

@@ -379,3 +379,23 @@ def test_each_phase_resumes_bit_exactly_after_a_crash(pipeline, tmp_path, monkey
 
     assert losses(straight) == losses(crashed)
     assert len(losses(straight)) == (3 if phase == "heads" else 6)
+
+
+def test_eval_prices_the_kv_storage_against_exact_keys(pipeline):
+    """The KV arms: bf16 keys and values cost something but little next to int4 experts, its
+    KL is taken against the same model with exact keys, and int8's against bf16's."""
+    cfg = evaluate.EvalConfig(
+        teacher=pipeline["tmp"] / "teacher",
+        data=tuple(pipeline["data"]),
+        windows=4,
+        seq_len=64,
+        int4_floor=False,
+        int8_activations=False,
+    )
+    arms = {r["arm"]: r for r in evaluate.evaluate(pipeline["tmp"] / "e0", cfg)["arms"]}
+    exact = next(label for label in arms if label.startswith("int4, native routing"))
+    bf16, int8 = arms[f"{exact}, KV bfloat16"], arms[f"{exact}, KV int8"]
+    assert bf16["vs"] == exact and int8["vs"] == f"{exact}, KV bfloat16"
+    assert 0 < bf16["kl_vs_arm"] < arms[exact]["kl_teacher_arm"]
+    assert 0 < int8["kl_vs_arm"] < arms[exact]["kl_teacher_arm"]
+    assert "kl_vs_arm" not in arms[exact]

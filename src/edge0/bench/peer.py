@@ -30,6 +30,7 @@ from edge0 import modeldir
 from edge0.bench import peer_gguf
 from edge0.bench.peer_arm import ENGINES
 from edge0.convert.synth import Shape
+from edge0.engine import backends
 from edge0.engine.options import EngineOptions
 from edge0.engine.plan import RUNTIME_RESERVE, plan_for_dir
 from edge0.store.expert_file import FILE_NAME as EXPERTS_FILE
@@ -238,6 +239,8 @@ def run_peer(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> dict:
                     f"cap {label} ({memory.format_bytes(cap)}) less the runtime reserve of "
                     f"{memory.format_bytes(cfg.runtime_reserve)}, {engine}: {e}"
                 ) from e
+    if any(c is not None for _, c in caps):  # compiled here, not in an arm under its cap
+        backends.choose(EngineOptions())  # ("auto": builds the native library)
     runs = []
     with tempfile.TemporaryDirectory(prefix="edge0-peer-") as tmp:
         for r in range(cfg.rounds):

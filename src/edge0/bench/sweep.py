@@ -85,24 +85,33 @@ def sweep_report(s: dict) -> str:
 
 
 def series(s: dict) -> dict[int, dict[str, list]]:
-    """Per K: the measured read rates (GB/s, ascending) and each arm's tok/s at them, and
-    the bound 1 / max(C, D) on a fine grid of rates for the prerouter arm's bytes per step."""
+    """Per K: the throttled read rates (GB/s, ascending) and each arm's tok/s at them, the
+    unthrottled runs apart (`free_gb_s`, `free_<arm>`: the disk's own rate), and the bound
+    1 / max(C, D) on a grid of rates for the prerouter arm's median bytes per step."""
     out: dict[int, dict[str, list]] = {}
     for k in sorted({p["top_k"] for p in s["points"]}):
-        pts = sorted(
-            (p for p in s["points"] if p["top_k"] == k),
+        pts = [p for p in s["points"] if p["top_k"] == k]
+        throttled = sorted(
+            (p for p in pts if p["read_bandwidth"] is not None),
             key=lambda p: p["disk_bandwidth_bytes_per_s"],
         )
-        d = {"gb_s": [p["disk_bandwidth_bytes_per_s"] / GB for p in pts]}
+        free = [p for p in pts if p["read_bandwidth"] is None]
+        d: dict[str, list] = {
+            "gb_s": [p["disk_bandwidth_bytes_per_s"] / GB for p in throttled],
+            "free_gb_s": [p["disk_bandwidth_bytes_per_s"] / GB for p in free],
+        }
         for arm in ("prerouter", "ondemand"):
-            d[arm] = [
-                p["arms"][arm]["decode_tok_s"]["median"] if arm in p["arms"] else None for p in pts
-            ]
+            for key, group in ((arm, throttled), (f"free_{arm}", free)):
+                d[key] = [
+                    p["arms"][arm]["decode_tok_s"]["median"] if arm in p["arms"] else None
+                    for p in group
+                ]
         pre = [p["arms"]["prerouter"] for p in pts if "prerouter" in p["arms"]]
-        if pre:
+        rates = d["gb_s"] + d["free_gb_s"]
+        if pre and rates:
             step_bytes = sorted(a["bytes_per_step"] for a in pre)[len(pre) // 2]
             c_ms = pts[0]["C_ms"]
-            lo, hi = min(d["gb_s"]) / 1.5, max(d["gb_s"]) * 1.5
+            lo, hi = min(rates) / 1.5, max(rates) * 1.5
             grid = [lo * (hi / lo) ** (i / 63) for i in range(64)]
             d["bound_gb_s"] = grid
             d["bound_tok_s"] = [1e3 / max(c_ms, 1e3 * step_bytes / (g * GB)) for g in grid]
@@ -111,9 +120,11 @@ def series(s: dict) -> dict[int, dict[str, list]]:
 
 
 def plot(s: dict, path: Path, title: str = "") -> Path:
-    """One panel per K: tok/s of both arms against the read rate (log axis) and the
-    prerouter's bound 1 / max(C, D); needs matplotlib (the peer extra)."""
+    """One panel per K: tok/s of both arms against the throttled read rate (log axis), the
+    unthrottled runs as open markers at the disk's own rate, and the prerouter's bound
+    1 / max(C, D); needs matplotlib (`pip install 'edge0[plot]'`)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter, NullLocator
 
     data = series(s)
     fig = Figure(figsize=(4.2 * len(data), 4.2))
@@ -121,14 +132,21 @@ def plot(s: dict, path: Path, title: str = "") -> Path:
     for ax, (k, d) in zip(axes, data.items(), strict=True):
         for arm, marker in (("prerouter", "o"), ("ondemand", "s")):
             ys = [float("nan") if v is None else v for v in d[arm]]
-            ax.plot(d["gb_s"], ys, marker=marker, label=arm)
+            (line,) = ax.plot(d["gb_s"], ys, marker=marker, label=arm)
+            free = [float("nan") if v is None else v for v in d[f"free_{arm}"]]
+            ax.plot(d["free_gb_s"], free, marker=marker, ls="none", mfc="none",
+                    color=line.get_color(), ms=9, label=f"{arm}, unthrottled")  # fmt: skip
         if "bound_gb_s" in d:
             ax.plot(d["bound_gb_s"], d["bound_tok_s"], "k--", lw=1, label="1 / max(C, D)")
-        ax.set(xscale="log", xlabel="read bandwidth (GB/s, kernel-throttled)", title=f"K={k}")
+        ax.set(xscale="log", xlabel="read bandwidth (GB/s)", title=f"K={k}")
+        ticks = sorted(set(round(g, 2) for g in d["gb_s"] + d["free_gb_s"]))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xticks(ticks, [f"{t:.2g}" for t in ticks], fontsize=8)
         ax.set_ylabel("decode tok/s (median)")
         ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()

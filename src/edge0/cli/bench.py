@@ -250,6 +250,14 @@ def bench_sweep(args: argparse.Namespace, model_dir: Path, cfg, ks: list) -> int
     from edge0.modeldir import Manifest
 
     rates = sweep.parse_rates(args.read_bandwidth)
+    if args.plot:  # before the sweep's minutes, not after them
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "--plot needs matplotlib: pip install 'edge0[plot]' (or leave --plot out and "
+                "plot the --json later)"
+            ) from None
     manifest = Manifest.load(model_dir)
     ks = [resolve_top_k(k, manifest.served_top_k, manifest.native_top_k) for k in ks]
     summary = sweep.run_sweep(model_dir, cfg, ks, rates)

@@ -199,6 +199,7 @@ def add_train_parsers(sub) -> None:
     he.add_argument(
         "--memory-budget",
         dest="process_budget",
+        metavar="BYTES",
         type=memory.parse_size,
         default=None,
         help="bytes for the whole process while routing the corpus, as serve's flag "

@@ -12,8 +12,8 @@ Arms (each adds one thing to the one above it):
                        (quant.fake_quantize_activations); `int8_activations=False` skips it
   KV bfloat16, KV int8 the "int4 native K" arm again with its keys and values kept in a KV
                        cache as `--kv-dtype` stores them (bf16, the default; int8, a scale
-                       per 32 channels), each also compared with the bf16 cache (KL
-                       columns "vs"); `kv_arms=False` skips them
+                       per 32 channels); KL also against the same model's fp32 keys
+                       (bf16) and against the bf16 cache (int8); `kv_arms=False` skips them
   int4 served K        ... serving K experts per token
   + prerouter          ... consumer layers routed by the heads' predictions
   + LoRA (phase 2)     ... with the SFT adapter
@@ -135,7 +135,17 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
     return out
 
 
-KV_REFERENCE = "KV bfloat16"  # the arm the KV arms are also compared with (table: "vs")
+def kv_references(labels: list[str]) -> dict[str, str]:
+    """The arm each KV arm is also compared with: bf16 storage with the same model without a
+    cache (its keys exact: fp32), int8 with bf16 storage."""
+    out = {}
+    for label in labels:
+        base, _, kv = label.rpartition(", KV ")
+        if kv == "bfloat16" and base in labels:
+            out[label] = base
+        elif kv == "int8" and f"{base}, KV bfloat16" in labels:
+            out[label] = f"{base}, KV bfloat16"
+    return out
 
 
 def _cached(model, kv_dtype: torch.dtype):
@@ -198,23 +208,24 @@ def evaluate(model_dir: Path, cfg: EvalConfig, progress: bool = True) -> dict:
     windows = common.fixed_windows(stream, cfg.windows, cfg.seq_len)
     models = arms(model_dir, cfg)
     sums = {label: {"nll": 0.0, "agree": 0, "kl": 0.0, "kl_vs": 0.0} for label, _ in models}
-    vs = next((label for label, _ in models if label.endswith(KV_REFERENCE)), None)
+    vs = kv_references([label for label, _ in models])
     n = 0
     for w in tqdm(windows, desc="eval", unit="window", disable=not progress):
         x, y = w[None, :-1], w[None, 1:]
-        ref = kv_ref = None
+        ref, kept = None, {}
         for label, fn in models:
             logp = F.log_softmax(fn(x).float(), dim=-1)[0]  # [T, V]
             if ref is None:
                 ref = logp
-            if label == vs:
-                kv_ref = logp
+            if label in vs.values():
+                kept[label] = logp
             s = sums[label]
             s["nll"] -= logp.gather(-1, y[0][:, None]).sum().item()
             s["agree"] += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
             s["kl"] += (ref.exp() * (ref - logp)).sum().item()
-            if " KV " in label and kv_ref is not None:
-                s["kl_vs"] += (kv_ref.exp() * (kv_ref - logp)).sum().item()
+            if label in vs:
+                r = kept[vs[label]]
+                s["kl_vs"] += (r.exp() * (r - logp)).sum().item()
         n += y.numel()
     rows = []
     teacher_ppl = math.exp(sums[models[0][0]]["nll"] / n)
@@ -230,8 +241,8 @@ def evaluate(model_dir: Path, cfg: EvalConfig, progress: bool = True) -> dict:
                 "kl_teacher_arm": s["kl"] / n,
             }
         )
-        if " KV " in label and vs is not None:
-            rows[-1].update(vs=vs, kl_vs_arm=s["kl_vs"] / n)
+        if label in vs:
+            rows[-1].update(vs=vs[label], kl_vs_arm=s["kl_vs"] / n)
     return {
         "model": str(model_dir),
         "teacher": str(cfg.teacher),
