@@ -118,12 +118,18 @@ def test_heads_data_streams_through_a_small_pool_and_is_reused(dirs, tmp_path):
     one layer's experts (of 6 layers) the head inputs and targets written to the run's files
     are those of a pool holding every expert, bit for bit; and a run that finds them maps
     them (features.json) and trains the same heads as a fresh run."""
-    probe = load_engine(dirs["plain"], EngineOptions(max_context=128, no_prerouter=True))
+    # planned as train_heads plans: a routing forward of 16 windows (max_active 16)
+    per = HeadsConfig.windows_per_forward
+    probe = load_engine(
+        dirs["plain"], EngineOptions(max_context=128, no_prerouter=True, max_active=per)
+    )
     plan, experts = probe.plan, probe.config.num_experts
     probe.close()
     assert plan.pool_slots == LAYERS * experts  # unbounded: every expert fits
     budget = plan.floor.total + experts * plan.extent_bytes
-    opts = EngineOptions(max_context=128, no_prerouter=True, no_lora=True, memory_budget=budget)
+    opts = EngineOptions(
+        max_context=128, no_prerouter=True, no_lora=True, memory_budget=budget, max_active=per
+    )
     small = load_engine(dirs["plain"], opts)
     assert small.plan.pool_slots == experts  # the options train_heads uses: one layer's worth
     small.close()

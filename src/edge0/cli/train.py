@@ -205,6 +205,13 @@ def add_train_parsers(sub) -> None:
         help="bytes for the whole process while routing the corpus, as serve's flag "
         "(default: what memory allows, as for serving); the collected data goes to files",
     )
+    he.add_argument(
+        "--windows-per-forward",
+        type=int,
+        default=16,
+        help="windows of the corpus routed per forward (fewer: less working memory, for a "
+        "large model in a small budget)",
+    )
     he.add_argument("--epochs", type=int, default=6)
     he.add_argument("--lr", type=float, default=1e-3)
     he.add_argument("--seed", type=int, default=0)

@@ -50,6 +50,9 @@ class HeadsConfig:
     train_tokens: int = 60_000
     heldout_tokens: int = 16_000
     seq_len: int = 256
+    # windows per routing forward: one read (and, for busy experts, one dequantization) of a
+    # layer's experts serves them all; fewer where a forward's working memory must be small
+    windows_per_forward: int = 16
     memory_budget: int | None = None  # bytes for the model while collecting (default: the plan's)
     process_budget: int | None = None  # bytes for the whole process instead (--memory-budget)
     epochs: int = 6
@@ -96,9 +99,15 @@ def route(engine, windows: torch.Tensor, observer) -> None:
 
 
 def collect(
-    engine, windows: torch.Tensor, wiring: Wiring, folder: Path, progress: bool, desc: str
+    engine,
+    windows: torch.Tensor,
+    wiring: Wiring,
+    folder: Path,
+    progress: bool,
+    desc: str,
+    per_forward: int = 16,
 ) -> Features:
-    """Route `windows` [n, T] through the engine, WINDOWS_PER_FORWARD at a time, into
+    """Route `windows` [n, T] through the engine, `per_forward` at a time, into
     Features: positions 0..T-2 of each window as head inputs, 1..T-1 as targets. Each layer's
     rows are written as the layer's routing is seen, so no layer's state is kept."""
     n, t = windows.shape
@@ -117,10 +126,8 @@ def collect(
         if layer in consumers:
             out.targets[layer][rows] = logits.view(b, t, e)[:, 1:].reshape(-1, e).float()
 
-    for start in tqdm(
-        range(0, n, WINDOWS_PER_FORWARD), desc=desc, unit="forward", disable=not progress
-    ):
-        batch = windows[start : start + WINDOWS_PER_FORWARD]
+    for start in tqdm(range(0, n, per_forward), desc=desc, unit="forward", disable=not progress):
+        batch = windows[start : start + per_forward]
         b = batch.shape[0]
         route(engine, batch, observe)
         at += b * (t - 1)
@@ -146,11 +153,6 @@ def local_order(n: int, gen: torch.Generator, chunk: int = 1024, group: int = 8)
         )
         parts.append(rows[torch.randperm(len(rows), generator=gen)])
     return torch.cat(parts)
-
-
-# windows per routing forward: one read (and, for busy experts, one dequantization) of a
-# layer's experts serves them all
-WINDOWS_PER_FORWARD = 16
 
 
 def recall(pred: torch.Tensor, target: torch.Tensor, k: int) -> float:
@@ -183,6 +185,10 @@ def train_heads(
         memory_budget=cfg.memory_budget,
         process_budget=cfg.process_budget,
         max_context=cfg.seq_len,
+        # a routing forward is windows_per_forward windows of seq_len tokens: planned as that
+        # many fresh prompts prefilled together (with their state, which routing does not
+        # keep: an overestimate), so its working memory is inside the budget
+        max_active=cfg.windows_per_forward,
         no_prerouter=True,
         no_lora=True,
     )
@@ -255,8 +261,9 @@ def _collected(
     n_held = max(1, math.ceil(cfg.heldout_tokens / (cfg.seq_len - 1)))
     train_w = common.random_windows(stream, n_train, cfg.seq_len - 1, gen)
     held_w = common.fixed_windows(held, n_held, cfg.seq_len - 1)
-    train = collect(engine, train_w, wiring, run / "train", progress, "routing features")
-    heldout = collect(engine, held_w, wiring, run / "heldout", progress, "held-out features")
+    per = cfg.windows_per_forward
+    train = collect(engine, train_w, wiring, run / "train", progress, "routing features", per)
+    heldout = collect(engine, held_w, wiring, run / "heldout", progress, "held-out features", per)
     digest = hashlib.sha256(f"{train_hash}|{held_hash}".encode()).hexdigest()
     record = {
         "settings": settings,
