@@ -518,10 +518,15 @@ def test_a_pool_of_every_expert_serves_no_prerouter_unless_asked():
 def test_cli_json(tiny, capsys):
     parser = argparse.ArgumentParser()
     add_inspect_parser(parser.add_subparsers())
-    args = parser.parse_args(["inspect", str(tiny / "mlx"), "--json", "--memory-budget", "64M"])
+    # --memory-budget is the whole process: this one's runtime and the model's floor and pool
+    args = parser.parse_args(["inspect", str(tiny / "mlx"), "--json", "--memory-budget", "2G"])
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["format"] == "mlx" and out["memory"]["fits"] is True
+    m = out["memory"]
+    assert m["process_budget"] == 2 << 30 and m["memory_budget"] is None
+    assert m["predicted_peak_bytes"] == m["runtime"] + m["workspace"] + m["total_bytes"]
+    assert m["predicted_peak_bytes"] <= 2 << 30
     assert out["total"]["params"] == out["routed_experts"]["params"] + sum(
         c["params"] for c in out["resident"].values()
     )

@@ -19,6 +19,7 @@ from edge0.engine.options import EngineOptions
 from edge0.engine.plan import plan_for_dir
 from edge0.engine.sampling import SamplingParams
 from edge0.models.layers import KV_BLOCK, KV_DTYPES, KVCache, KVSpec, dequantize_kv, quantize_kv
+from test_native import greedy_logits
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
@@ -96,20 +97,8 @@ def test_the_cache_hands_keys_back_in_the_dtype_they_were_computed_in():
         assert ck.shape[2] == 6 and torch.equal(ck[:, :, :5], first), name
 
 
-def greedy(kv: str, backend: str, steps: int = 10) -> torch.Tensor:
-    opts = EngineOptions(
-        io_mode="buffered", backend=backend, no_prerouter=True, kv_dtype=KV_DTYPES[kv]
-    )
-    engine = load_engine(builtin.model_dir(), opts)
-    try:
-        with engine.new_request() as req:
-            assert req.cache.kv_dtype == KV_DTYPES[kv]
-            logits = [engine.prefill(req, engine.tokenizer.encode("def read_config(path):"))]
-            for _ in range(steps):
-                logits.append(engine.step(req, int(logits[-1].argmax())))
-        return torch.stack(logits)
-    finally:
-        engine.close()
+def greedy(kv: str, backend: str) -> torch.Tensor:
+    return greedy_logits(backend, True, steps=10, kv_dtype=KV_DTYPES[kv])
 
 
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
@@ -154,6 +143,7 @@ def test_the_plan_prices_each_storage_as_the_cache_allocates_it():
         try:
             with engine.new_request() as req:
                 assert plan.floor.state == req.cache.nbytes(), name
+                assert req.cache.kv_dtype == kv and req.cache.k[0].dtype == kv
                 assert plan.kv_dtype == name
         finally:
             engine.close()

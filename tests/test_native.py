@@ -44,7 +44,11 @@ def each_token(ops: ExpertOps, x, indices, tensors) -> torch.Tensor:
 
 
 def greedy_logits(
-    kernel: str, no_prerouter: bool, steps: int = 12, dtype: torch.dtype = torch.float32
+    kernel: str,
+    no_prerouter: bool,
+    steps: int = 12,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype = EngineOptions.kv_dtype,
 ) -> torch.Tensor:
     opts = EngineOptions(
         io_mode="buffered",
@@ -52,6 +56,7 @@ def greedy_logits(
         no_prerouter=no_prerouter,
         prerouter_always=not no_prerouter,
         dtype=dtype,
+        kv_dtype=kv_dtype,
     )
     engine = load_engine(builtin.model_dir(), opts)
     try:

@@ -116,6 +116,7 @@ def test_function_tools_round_trip(served):
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),  # past the context
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "p",
                                              "schema": {"type": "strng"}}}}, "text"),
         ({"input": "x", "model": "gpt-4o"}, "model"),

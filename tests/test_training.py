@@ -139,10 +139,12 @@ def test_teacher_learned_something(pipeline):
 
 def test_eval_table_has_every_arm(pipeline):
     labels = [r["arm"] for r in pipeline["eval"]["arms"]]
-    # 6 + int8 activations + gate routing with the phase-3 LoRA, and W = 1.5K, 2K (+ phase 3)
-    assert labels[0].startswith("teacher") and len(labels) == 8 + 4
-    assert labels[7].startswith("gate routing, served K") and "phase 3" in labels[7]
+    # 6 + int8 activations + KV bf16 and int8 + gate routing with the phase-3 LoRA, and
+    # W = 1.5K, 2K (+ phase 3)
+    assert labels[0].startswith("teacher") and len(labels) == 8 + 2 + 4
+    assert labels[9].startswith("gate routing, served K") and "phase 3" in labels[9]
     assert labels[2].endswith("int8 activations")  # this model's floor is int4: no floor arm
+    assert labels[3:5] == [f"{labels[1]}, KV bfloat16", f"{labels[1]}, KV int8"]
     teacher = pipeline["eval"]["arms"][0]
     assert teacher["kl_teacher_arm"] == pytest.approx(0.0, abs=1e-6)
     assert teacher["top1_agreement"] == 1.0
@@ -297,7 +299,7 @@ def test_eval_prices_an_int4_floor_for_a_model_that_keeps_it_in_bf16(pipeline, t
     assert cli.main([*args, "--json", str(tmp_path / "e.json"), "--quiet"]) == 0
     labels = [r["arm"] for r in json.loads((tmp_path / "e.json").read_text())["arms"]]
     assert labels[1].startswith("int4, native routing")
-    assert not any("floor" in a or "int8" in a for a in labels)
+    assert not any("floor" in a or "int8 activations" in a for a in labels)
 
 
 def test_the_held_out_split_of_data_files_does_not_depend_on_where_they_live(tmp_path):

@@ -33,6 +33,7 @@ ENDPOINT = "responses"
 _PARAM = {
     "messages": "input",
     "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",  # (the context-window check's name for the limit)
     "response_format": "text",
 }
 
@@ -243,6 +244,7 @@ async def responses(state: ServerState, body: ResponsesRequest, request: Request
     except APIError as e:  # the chat checks' 400s, in this API's names
         e.param = _PARAM.get(e.param, e.param)
         e.message = e.message.replace("response_format.json_schema.schema", "text.format.schema")
+        e.message = e.message.replace("max_tokens ", "max_output_tokens ")
         raise
     rid, created = new_id("resp"), time.time()
     if body.stream:

@@ -108,9 +108,8 @@ def arms(model_dir: Path, cfg: EvalConfig) -> list[tuple[str, object]]:
         label = f"int4, native routing, native K={native.top_k}, int8 activations"
         out.append((label, lambda t: int8.forward(t, 1)))
     if cfg.kv_arms:
-        for name in ("bfloat16", "int8"):
-            label = f"int4, native routing, native K={native.top_k}, KV {name}"
-            out.append((label, _cached(native.model, KV_DTYPES[name])))
+        for name in ("bfloat16", "int8"):  # the native-K arm's model, with a cache
+            out.append((f"{out[1][0]}, KV {name}", _cached(native.model, KV_DTYPES[name])))
     served_k = resolve_top_k(cfg.top_k, manifest.served_top_k, manifest.native_top_k)
     if served_k != native.top_k:
         served = load_student(model_dir, top_k=served_k, heads=False)
