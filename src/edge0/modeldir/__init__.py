@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -21,16 +20,11 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import nn
 
-from edge0.formats.checkpoint import (
-    DTYPES,
-    TensorInfo,
-    check_dir,
-    read_header,
-    read_json,
-    sha256_file,
-)
+from edge0.formats.checkpoint import TensorInfo, check_dir, read_header, read_json, sha256_file
 from edge0.formats.extents import ExtentLayout
 from edge0.formats.format import INT4
 from edge0.formats.int4_layout import UNRECORDED, Int4Layout, by_name
@@ -367,26 +361,12 @@ class ModelDir:
         return model.eval()
 
     def _resident_state(self) -> dict[str, torch.Tensor]:
-        """The resident file's tensors, each read into memory of its own with pread: no
-        mapping of the whole file, whose pages a memory-mapped load kept in the process's
-        file-backed resident set (1.3 GiB for the 35B tier's floor) until it returned."""
-        path, state = self.resident.path, {}
-        fd = os.open(path, os.O_RDONLY)
         try:
-            for name, info in self.resident.table.items():
-                if info.dtype not in DTYPES:
-                    raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.dtype}")
-                buf = bytearray(info.nbytes)
-                if buf and os.preadv(fd, [buf], info.start) != info.nbytes:
-                    raise ValueError(f"{path}: short read of tensor {name!r}; is it truncated?")
-                dtype = DTYPES[info.dtype]
-                state[name] = (
-                    torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
-                    if buf
-                    else torch.empty(info.shape, dtype=dtype)
-                )
-        finally:
-            os.close(fd)
+            state = load_file(str(self.resident.path))
+        except SafetensorError as e:
+            raise ValueError(
+                f"{self.resident.path}: unreadable safetensors file ({e}); is it truncated?"
+            ) from e
         self.bytes_read += self.resident.nbytes
         self.manifest.check_file(self.resident.path)  # (its pages are in the cache now)
         return state
