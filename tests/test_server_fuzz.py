@@ -98,7 +98,10 @@ def check(path: str, sent_body, r, fields: set[str]) -> str:
             assert err["code"], r.text
         return "4xx"
     if r.headers.get("content-type", [""])[0].startswith("text/event-stream"):
-        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        # SSE lines end in "\n" only: str.splitlines would also cut the JSON at a U+2028 or
+        # U+0085 a generated text holds raw
+        lines = [line.removesuffix("\r") for line in r.text.split("\n")]
+        events = [line[6:] for line in lines if line.startswith("data: ")]
         if path == "/v1/responses":  # typed events, the last one terminal, no [DONE]
             last = json.loads(events[-1])
             assert last["type"] in ("response.completed", "response.incomplete"), r.text
