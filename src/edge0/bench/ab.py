@@ -119,10 +119,10 @@ def throttled_bandwidth(path: Path, extent: int, throttle: ReadThrottle) -> floa
         "import sys; from pathlib import Path; from edge0.bench.ab import disk_bandwidth; "
         "print(disk_bandwidth(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))"
     )
-    join = f'echo $$ > {throttle.procs} && exec "$@"'
-    args = [str(path), str(extent), str(reads)]
-    cmd = ["sh", "-c", join, "edge0-throttled", sys.executable, "-c", code, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    cmd = [sys.executable, "-c", code, str(path), str(extent), str(reads)]
+    proc = subprocess.run(
+        cgroup.joining(cmd, (throttle.procs,)), capture_output=True, text=True, check=True
+    )
     return min(float(proc.stdout.split()[-1]), throttle.rate)
 
 
@@ -277,10 +277,8 @@ def summarize(results, cfg, k, bandwidth, expert_bytes, pool, meta, notes) -> di
         }
         arms[arm]["D_ms"] = 1e3 * arms[arm]["bytes_per_step"] / bandwidth
     c_ms = arms["resident"]["step_ms"] if "resident" in arms else None
-    for a in arms.values():
-        if c_ms is not None:
-            a["bound_ms"] = max(c_ms, a["D_ms"])
-            a["step_over_bound"] = a["step_ms"] / a["bound_ms"]
+    if c_ms is not None:
+        bound(arms, c_ms)
     speedup = None
     if "prerouter" in arms and "ondemand" in arms:
         speedup = (
@@ -304,6 +302,13 @@ def summarize(results, cfg, k, bandwidth, expert_bytes, pool, meta, notes) -> di
         "prerouter_over_ondemand": speedup,
         "notes": notes,
     }
+
+
+def bound(arms: dict[str, dict], c_ms: float) -> None:
+    """Each arm's bound max(C, D) and its step over it, given the compute step C."""
+    for a in arms.values():
+        a["bound_ms"] = max(c_ms, a["D_ms"])
+        a["step_over_bound"] = a["step_ms"] / a["bound_ms"]
 
 
 def report(s: dict) -> str:

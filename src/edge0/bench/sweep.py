@@ -15,7 +15,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from edge0.bench.ab import BenchConfig, report, run_bench
+from edge0.bench.ab import BenchConfig, bound, report, run_bench
 
 GB = 1e9
 DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
@@ -57,9 +57,7 @@ def run_sweep(model_dir: Path, cfg: BenchConfig, ks: list[int], rates: list[int 
         for p in points:
             if p["top_k"] == k:
                 p["C_ms"] = c_ms
-                for a in p["arms"].values():
-                    a["bound_ms"] = max(c_ms, a["D_ms"])
-                    a["step_over_bound"] = a["step_ms"] / a["bound_ms"]
+                bound(p["arms"], c_ms)
     return {"model": str(model_dir), "memory_cap_bytes": cfg.memory_cap, "points": points}
 
 

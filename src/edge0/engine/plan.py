@@ -221,7 +221,16 @@ def _plan(sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemo
     extent = sizes.extent_bytes
     all_slots = sizes.moe_layers * sizes.experts_per_layer
     workspace = workspace_bytes(sizes, options, context, k)
-    held = machine.runtime + workspace + floor.total  # the whole process but the pool
+    # what each kind of budget holds besides the pool, and how an error names it
+    fmt = memory.format_bytes
+    beside_pool = {
+        "process_budget": (
+            machine.runtime + workspace + floor.total,
+            f" (the whole process) is below the runtime {fmt(machine.runtime)} + working "
+            f"memory {fmt(workspace)} +",
+        ),
+        "memory_budget": (floor.total, " is below the"),
+    }
     # A prediction-routed step pins every consumer's staged set plus the layer being read, and
     # every other active request keeps its staged sets pinned between its steps.
     # asked for, else the recorded default (if not below this K), else K
@@ -239,10 +248,10 @@ def _plan(sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemo
     notes = []
     if options.expert_cache is not None:
         slots, source = options.expert_cache // extent, "expert_cache"
-    elif options.process_budget is not None:
-        slots, source = max(0, options.process_budget - held) // extent, "process_budget"
-    elif options.memory_budget is not None:
-        slots, source = max(0, options.memory_budget - floor.total) // extent, "memory_budget"
+    elif options.process_budget is not None or options.memory_budget is not None:
+        source = "process_budget" if options.process_budget is not None else "memory_budget"
+        budget = getattr(options, source)
+        slots = max(0, budget - beside_pool[source][0]) // extent
     else:  # everything if it fits in a quarter of what the process may still take
         slots, source = max(need, machine.available // 4 // extent), None
         notes.append("no budget: every expert if it fits in a quarter of the free memory")
@@ -253,25 +262,16 @@ def _plan(sizes: ModelSizes, options: EngineOptions, machine: memory.MachineMemo
         else:
             pins = f"decode pins (1 layer x {k})"
         pins = f"{need} experts of {extent} bytes that {pins}"
-        if source == "process_budget":
-            fmt = memory.format_bytes
+        if source in beside_pool:
+            held, below = beside_pool[source]
             raise ValueError(
-                f"process_budget {fmt(options.process_budget)} (the whole process) is below "
-                f"the runtime {fmt(machine.runtime)} + working memory {fmt(workspace)} + "
-                f"resident floor {fmt(floor.total)}{_floor_parts(floor, active)} plus the "
-                f"{pins}: {fmt(held + need * extent - options.process_budget)} more needed"
+                f"{source} {fmt(budget)}{below} resident floor {fmt(floor.total)}"
+                f"{_floor_parts(floor, active)} plus the {pins}: "
+                f"{fmt(held + need * extent - budget)} more needed"
             )
-        if source == "memory_budget":
-            missing = memory.format_bytes(floor.total + need * extent - options.memory_budget)
-            raise ValueError(
-                f"memory_budget {memory.format_bytes(options.memory_budget)} is below the "
-                f"resident floor {memory.format_bytes(floor.total)}{_floor_parts(floor, active)} "
-                f"plus the {pins}: {missing} more needed"
-            )
-        missing = memory.format_bytes((need - slots) * extent)
         raise ValueError(
-            f"expert_cache {memory.format_bytes(options.expert_cache)} holds {slots} of the "
-            f"{pins}: {missing} more needed"
+            f"expert_cache {fmt(options.expert_cache)} holds {slots} of the "
+            f"{pins}: {fmt((need - slots) * extent)} more needed"
         )
     return ServingPlan(
         top_k=k,

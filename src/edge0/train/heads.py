@@ -105,7 +105,7 @@ def collect(
     folder: Path,
     progress: bool,
     desc: str,
-    per_forward: int = 16,
+    per_forward: int,
 ) -> Features:
     """Route `windows` [n, T] through the engine, `per_forward` at a time, into
     Features: positions 0..T-2 of each window as head inputs, 1..T-1 as targets. Each layer's

@@ -46,9 +46,7 @@ class CappedGroup:
     def command(self, cmd: list[str], also: tuple[Path, ...] = ()) -> list[str]:
         """cmd, joining this group (and the groups whose cgroup.procs `also` names: a read
         throttle's, util/throttle.py) before it execs."""
-        procs = (self.path / "cgroup.procs", *also)
-        join = " && ".join(f"echo $$ > {p}" for p in procs) + ' && exec "$@"'
-        return ["sh", "-c", join, "edge0-capped", *cmd]
+        return joining(cmd, (self.path / "cgroup.procs", *also))
 
     @property
     def max_usage_bytes(self) -> int:
@@ -63,6 +61,13 @@ class CappedGroup:
 
     def __exit__(self, *exc) -> None:
         remove_group(self.path)
+
+
+def joining(cmd: list[str], procs: tuple[Path, ...]) -> list[str]:
+    """cmd wrapped in a tiny `sh` that writes its own pid to each cgroup.procs in `procs`,
+    then execs cmd: everything the command does is charged to those groups."""
+    join = " && ".join(f"echo $$ > {p}" for p in procs) + ' && exec "$@"'
+    return ["sh", "-c", join, "edge0-cgroup", *cmd]
 
 
 def run_capped(
