@@ -248,6 +248,30 @@ def add_train_parsers(sub) -> None:
         )
         p.add_argument("--prompt-len", type=int, default=32)
         p.add_argument("--batch", type=int, default=8)
+        p.add_argument(
+            "--base",
+            choices=("auto", "int4", "dequantized"),
+            default="auto",
+            help="the student's frozen base: int4, as served (resident int4 weights, experts "
+            "streamed from the pool, CPU); dequantized (every weight in fp32 in memory, on the "
+            "GPU if there is one); auto: int4 on the CPU, dequantized on a GPU",
+        )
+        p.add_argument(
+            "--memory-budget",
+            dest="process_budget",
+            metavar="BYTES",
+            type=memory.parse_size,
+            default=None,
+            help="int4 base: bytes for the whole process, as serve's flag (default: what "
+            "memory allows); the pool gets what the floor and the forward leave",
+        )
+        p.add_argument(
+            "--no-checkpoint",
+            dest="checkpoint",
+            action="store_false",
+            help="int4 base: keep every layer's activations instead of recomputing each "
+            "layer in the backward pass (faster, more memory)",
+        )
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--quiet", action="store_true")
         p.set_defaults(func=fn)

@@ -67,14 +67,39 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        y = quant.int4_linear(flat, self.packed, self.pairs.view(torch.bfloat16)).to(x.dtype)
+        if torch.is_grad_enabled() and flat.requires_grad:  # training through the frozen base
+            y = _Int4Product.apply(flat, self)
+        else:
+            y = self.product(flat).to(x.dtype)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        """x [R, K] @ W^T by the kernel -> bf16 [R, N]."""
+        return quant.int4_linear(flat, self.packed, self.pairs.view(torch.bfloat16))
 
     def dequantized(self) -> torch.Tensor:
         """fp32 W [N, K] exactly as the kernel sees it."""
         pairs = self.pairs.view(torch.bfloat16)
         return self.layout.dequantize(self.packed, pairs, self.out_features, self.in_features)
+
+
+class _Int4Product(torch.autograd.Function):
+    """y = x W^T through the int4 kernel, differentiable in x (W is frozen): the backward
+    multiplies by W dequantized for that call into a scratch matrix, freed after it, so
+    training through an int4 base keeps no float copy of its weights. Only x is saved."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
+        ctx.linear = linear
+        ctx.save_for_backward(x)
+        return linear.product(x).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        w = ctx.linear.dequantized()  # [N, K]
+        return (dy.float() @ w).to(x.dtype), None
 
 
 class Int4Embedding(nn.Module):

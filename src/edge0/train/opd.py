@@ -26,7 +26,14 @@ from edge0.engine.sampling import SamplingParams
 from edge0.models import lora
 from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common
-from edge0.train.student import load_student, load_teacher, sample, train_lora
+from edge0.train.student import (
+    base_options,
+    load_student,
+    load_teacher,
+    sample,
+    student_base,
+    train_lora,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,9 @@ class OPDConfig:
     temperature: float = 1.0
     save_every: int = 10
     seed: int = 0
+    base: str = "auto"  # the student's base: int4 (CPU), dequantized, auto (student_base)
+    process_budget: int | None = None  # bytes for the whole process (int4 base)
+    checkpoint: bool = True  # int4 base: recompute each decoder layer in the backward pass
 
 
 def reverse_kl_topk_tail(
@@ -76,6 +86,9 @@ def train_opd(
     run = out.with_name(out.name + ".run")
     run.mkdir(parents=True, exist_ok=True)
     device = common.device_for()
+    base = student_base(cfg.base, device)
+    if base == "int4":
+        device = torch.device("cpu")
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
     stream, data_hash = common.token_stream(data, "train", tok)
@@ -87,7 +100,10 @@ def train_opd(
         lora_file=init,
         device=device,
         stage_width=cfg.stage_width,
+        base=base,
+        options=base_options(cfg.process_budget, cfg.batch, cfg.prompt_len + cfg.gen_len),
     )
+    student.checkpoint = cfg.checkpoint
     runtime = student.runtime()
     sampling = SamplingParams(temperature=cfg.temperature)
     p = cfg.prompt_len
@@ -95,7 +111,9 @@ def train_opd(
     def loss_fn(step: int) -> torch.Tensor:
         prompts = common.random_windows(stream, cfg.batch, p - 1, gen).to(device)
         student.model.eval()
-        seqs = sample(student.model, prompts, cfg.gen_len, sampling, gen, runtime)
+        seqs = sample(
+            student.model, prompts, cfg.gen_len, sampling, gen, runtime, student.executors
+        )
         with torch.no_grad():
             target = teacher(seqs)[:, p - 1 : -1]
         student.model.train()
@@ -126,7 +144,9 @@ def train_opd(
         "W": str(student.stage_width or student.top_k),
         "seed": str(cfg.seed),
         "teacher_topk": str(cfg.teacher_topk),
+        "student_base": base,
     }
     lora.save(student.model, out, meta)
+    student.close()
     modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
     return {"steps": cfg.steps, "final_loss": runlog.entries[-1]["loss"]}

@@ -27,7 +27,14 @@ from edge0.engine.sampling import SamplingParams
 from edge0.models import lora
 from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common
-from edge0.train.student import load_student, load_teacher, sample, train_lora
+from edge0.train.student import (
+    base_options,
+    load_student,
+    load_teacher,
+    sample,
+    student_base,
+    train_lora,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,9 @@ class SFTConfig:
     lr: float = 1e-3
     save_every: int = 25
     seed: int = 0
+    base: str = "auto"  # the student's base: int4 (CPU), dequantized, auto (student_base)
+    process_budget: int | None = None  # bytes for the whole process (int4 base)
+    checkpoint: bool = True  # int4 base: recompute each decoder layer in the backward pass
 
 
 def teacher_dataset(
@@ -125,8 +135,12 @@ def train_sft(
     run = out.with_name(out.name + ".run")
     run.mkdir(parents=True, exist_ok=True)
     device = common.device_for()
+    base = student_base(cfg.base, device)
+    if base == "int4":
+        device = torch.device("cpu")
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
+    p = cfg.prompt_len
     stream = tokens = None  # corpus windows are cut from `stream`; teacher samples are `tokens`
     if cfg.source == "corpus":
         stream, data_hash = common.token_stream(data, "train", tok)
@@ -148,10 +162,12 @@ def train_sft(
         device=device,
         stage_width=cfg.stage_width,
         lora_routers=cfg.lora_routers,
+        base=base,
+        options=base_options(cfg.process_budget, cfg.batch, p + cfg.gen_len),
     )
+    student.checkpoint = cfg.checkpoint
     student.model.train()
     teacher = load_teacher(teacher_dir, device) if cfg.loss == "kl" else None
-    p = cfg.prompt_len
 
     def loss_fn(step: int) -> torch.Tensor:
         if tokens is None:  # [B, P + C] fresh corpus windows
@@ -189,8 +205,10 @@ def train_sft(
         "seed": str(cfg.seed),
         "loss": cfg.loss,
         "source": cfg.source,
+        "student_base": base,
     }
     lora.save(student.model, out, meta)
+    student.close()
     modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
     return {
         "steps": cfg.steps,

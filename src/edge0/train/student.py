@@ -1,17 +1,23 @@
 """The models phases 2 and 3 train and compare, and batched sampling from them.
 
   teacher   the full-precision Hugging Face model, native K, gate routing
-  student   the served model: the dequantized int4 base (frozen), prerouter routing at the
-            served K (frozen heads), and the recovery LoRA (the only trainable parameters)
+  student   the served model: the int4 base (frozen), prerouter routing at the served K
+            (frozen heads), and the recovery LoRA (the only trainable parameters)
 
-Everything runs on the GPU when there is one (`common.device_for`), else on the CPU.
+The student's base is one of two (`base`):
+  int4         as the engine serves it: resident int4 projections, experts streamed from
+               the engine's pool within its memory budget and computed by the int4 kernels
+               (train/int4_base.py), each decoder layer checkpointed. Memory is the floor,
+               the pool and one layer's activations. The CPU's kernels: CPU only.
+  dequantized  every int4 weight dequantized to fp32 and held in memory (all experts too),
+               on the GPU when there is one (`common.device_for`)
 Shape legend: B batch, P prompt length, C continuation length, V vocab.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,14 +25,19 @@ from tqdm import tqdm
 
 from edge0 import modeldir
 from edge0.engine import decode
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
 from edge0.engine.plan import resolve_top_k
 from edge0.engine.sampling import Sampler, SamplingParams
 from edge0.modeldir import loader
 from edge0.models import lora
+from edge0.models.base import Forward
 from edge0.prerouter.head import Prerouter
 from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
-from edge0.train import common
+from edge0.train import common, int4_base
+
+BASES = ("int4", "dequantized")
 
 
 @dataclass
@@ -37,25 +48,63 @@ class Student:
     family: object
     base_hash: str
     stage_width: int | None = None  # W > K: consumers route among the W staged (eval arms)
+    engine: object | None = None  # the int4 base's engine (its pool); None: dequantized
+    checkpoint: bool = True  # int4 base: recompute each decoder layer in the backward pass
+
+    @property
+    def executors(self) -> dict | None:
+        """Where each MoE layer's experts come from: the int4 base's pool, or the model."""
+        return None if self.engine is None else int4_base.executors(self.engine)
 
     def forward(self, tokens: torch.Tensor, first_predicted: int | torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits [B, T, V], prediction-routed from `first_predicted` on."""
         b, t = tokens.shape
         if self.prerouter is None:
-            return self.model(tokens)
-        mask = prediction_mask(b, t, first_predicted).to(tokens.device)
-        if self.stage_width is None:
-            return self.model(tokens, TeacherForcedRouting(self.prerouter, mask))
-        blocks = {c: self.model.moe_block(c) for c in self.prerouter.wiring.consumers}
-        fwd = TeacherForcedRouting(
-            self.prerouter, mask, stage_width=self.stage_width, blocks=blocks
-        )
+            fwd = Forward()
+        else:
+            mask = prediction_mask(b, t, first_predicted).to(tokens.device)
+            blocks = None
+            if self.stage_width is not None:
+                blocks = {c: self.model.moe_block(c) for c in self.prerouter.wiring.consumers}
+            fwd = TeacherForcedRouting(
+                self.prerouter, mask, stage_width=self.stage_width, blocks=blocks
+            )
+        if self.engine is not None:
+            fwd.executors = self.executors
+            if self.checkpoint:
+                fwd.layers = int4_base.checkpointed_layers(self.model)
         return self.model(tokens, fwd)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
 
     def runtime(self) -> PrerouterRuntime | None:
         if self.prerouter is None:
             return None
         return PrerouterRuntime(self.prerouter, self.model, None, stage_width=self.stage_width)
+
+
+def student_base(base: str, device: torch.device) -> str:
+    """`base` with "auto" settled: the int4 base on the CPU, the dequantized one on a GPU
+    (the int4 kernels are the CPU's)."""
+    if base == "auto":
+        return "int4" if device.type == "cpu" else "dequantized"
+    return base
+
+
+def base_options(
+    process_budget: int | None, rows: int, length: int, dtype=torch.float32
+) -> EngineOptions:
+    """The int4 base's engine plan for training forwards of `rows` sequences of `length`
+    tokens, within `process_budget` bytes for the whole process if given."""
+    return EngineOptions(
+        process_budget=process_budget,
+        max_context=length,
+        max_active=rows,
+        dtype=dtype,
+        prefix_cache=0,
+    )
 
 
 def load_teacher(path: Path | str, device: torch.device | None = None) -> torch.nn.Module:
@@ -75,18 +124,34 @@ def load_student(
     device: torch.device | None = None,
     stage_width: int | None = None,
     lora_routers: bool = False,
+    base: str = "dequantized",
+    options: EngineOptions | None = None,
 ) -> Student:
     """The served model for training/eval. heads: a file, None (MODEL_DIR/prerouter.safetensors
     if present) or False (gate routing). lora_file loads an adapter; new_lora=(r, alpha)
     attaches a fresh one to every family LORA_TARGET, and with lora_routers to every MoE
     router that is a plain Linear as well. stage_width W > K: each consumer's router picks
-    its K among the W experts the prediction stages (`--stage-width`)."""
+    its K among the W experts the prediction stages (`--stage-width`). base: "int4" (the
+    engine's, planned with `options`: its budget, context and rows) or "dequantized"."""
     model_dir = Path(model_dir)
-    manifest, model = loader.load_edge0_model(model_dir, experts="dequantized")
+    engine = None
+    if base == "int4":
+        if device is not None and device.type != "cpu":
+            raise ValueError(
+                "the int4 base computes with the CPU's int4 kernels; on a GPU use the "
+                "dequantized base (--base dequantized)"
+            )
+        opts = replace(options or EngineOptions(), top_k=top_k, no_prerouter=True, no_lora=True)
+        engine = load_engine(model_dir, opts)
+        model, k = engine.model, engine.top_k
+    elif base == "dequantized":
+        manifest, model = loader.load_edge0_model(model_dir, experts="dequantized")
+        k = resolve_top_k(top_k, manifest.served_top_k, manifest.native_top_k)
+        model.set_top_k(k)
+    else:
+        raise ValueError(f"base must be one of {', '.join(BASES)}, not {base!r}")
     model.requires_grad_(False)
     cfg = model.config
-    k = resolve_top_k(top_k, manifest.served_top_k, manifest.native_top_k)
-    model.set_top_k(k)
     pre = None
     if heads is not False:
         path = heads or model_dir / modeldir.PREROUTER_FILE
@@ -96,9 +161,9 @@ def load_student(
     from edge0 import models
 
     fam = models.family(cfg.model_type)
-    base = modeldir.base_hash(model_dir)
+    base_hash = modeldir.base_hash(model_dir)
     if lora_file is not None:
-        lora.load(model, lora_file, base_hash=base)
+        lora.load(model, lora_file, base_hash=base_hash)
     elif new_lora is not None:
         r, alpha = new_lora
         targets = fam.LORA_TARGETS + (lora.router_targets(model) if lora_routers else ())
@@ -116,7 +181,7 @@ def load_student(
     if stage_width is not None and stage_width < k:
         raise ValueError(f"the stage width ({stage_width}) must be at least K ({k})")
     wide = stage_width if stage_width is not None and stage_width > k else None
-    return Student(model, pre, k, fam, base, stage_width=wide)
+    return Student(model, pre, k, fam, base_hash, stage_width=wide, engine=engine)
 
 
 def lora_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -138,11 +203,13 @@ def sample(
     params: SamplingParams,
     gen: torch.Generator,
     runtime: PrerouterRuntime | None = None,
+    executors: dict | None = None,
 ) -> torch.Tensor:
     """Continue B equal-length prompts [B, P] by `steps` sampled tokens -> [B, P + steps].
 
     With a runtime (the student) the prompt is gate-routed and every generated token is
     prediction-routed, as the engine serves it; without one every layer uses its gate.
+    `executors`: where the experts come from (an int4 base's pool), else the model's own.
     """
     b = prompts.shape[0]
     dtype = next(model.parameters()).dtype
@@ -150,7 +217,7 @@ def sample(
     sampler = Sampler(params)
     sampler.generator = gen
     pre = runtime.new_state(rows=b) if runtime is not None else None
-    logits = decode.prefill(model, cache, prompts, pre)
+    logits = decode.prefill(model, cache, prompts, pre, executors)
     out = [prompts]
     for i in range(steps):
         nxt = torch.stack([torch.tensor(sampler(row)) for row in logits])[:, None].to(
@@ -159,7 +226,7 @@ def sample(
         out.append(nxt)
         if i + 1 == steps:
             break
-        logits = decode.step(model, cache, nxt, pre)
+        logits = decode.step(model, cache, nxt, pre, executors)
     return torch.cat(out, dim=1)
 
 

@@ -1,0 +1,78 @@
+"""The int4 student of phases 2 and 3 (train/int4_base.py): the served base, differentiable in
+its inputs, against the dequantized student and against autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edge0 import builtin
+from edge0.engine.options import EngineOptions
+from edge0.formats.int4_layout import host_layout
+from edge0.models.experts import swiglu_dense
+from edge0.models.int4 import Int4Linear, quantize
+from edge0.train.int4_base import swiglu_input_grad
+from edge0.train.sft import continuation_loss
+from edge0.train.student import load_student, lora_parameters
+
+
+def test_the_experts_input_gradient_is_autograds():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 64, generator=g, dtype=torch.float64, requires_grad=True)
+    w13 = torch.randn(2 * 32, 64, generator=g, dtype=torch.float64)
+    w2 = torch.randn(64, 32, generator=g, dtype=torch.float64)
+    dy = torch.randn(7, 64, generator=g, dtype=torch.float64)
+    (want,) = torch.autograd.grad(swiglu_dense(x, w13, w2), x, dy)
+    torch.testing.assert_close(swiglu_input_grad(x.detach(), w13, w2, dy), want)
+
+
+def test_an_int4_projection_passes_the_gradient_of_its_dequantized_weight():
+    g = torch.Generator().manual_seed(0)
+    lin = Int4Linear(*quantize(torch.randn(64, 128, generator=g)), host_layout())
+    x = torch.randn(5, 128, generator=g, requires_grad=True)
+    dy = torch.randn(5, 64, generator=g)
+    (got,) = torch.autograd.grad(lin(x), x, dy)
+    torch.testing.assert_close(got, dy @ lin.dequantized())
+    with torch.no_grad():  # serving is untouched: the kernel's product, no graph
+        assert torch.equal(lin(x), lin.product(x).float())
+
+
+def loss_and_grads(base: str, tokens: torch.Tensor, **kw):
+    checkpoint = kw.pop("checkpoint", None)
+    student = load_student(builtin.model_dir(), new_lora=(8, 16.0), seed=0, base=base, **kw)
+    try:
+        if checkpoint is not None:
+            student.checkpoint = checkpoint
+        params = lora_parameters(student.model)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # a trained-looking adapter: B = 0 would pass no gradient to A
+            for p in params:
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
+        loss = continuation_loss(student.forward(tokens, 16), tokens, 16)
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in params])
+    finally:
+        student.close()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 8000, (3, 48), generator=torch.Generator().manual_seed(2))
+
+
+def test_the_int4_student_trains_what_the_dequantized_one_does(tokens):
+    """Same loss and LoRA gradients up to the int4 kernels' bf16 activations."""
+    loss_d, grad_d = loss_and_grads("dequantized", tokens)
+    loss_i, grad_i = loss_and_grads("int4", tokens)
+    assert abs(loss_i - loss_d) / loss_d < 1e-3
+    assert (grad_i - grad_d).norm() / grad_d.norm() < 1e-2
+
+
+def test_checkpointing_and_a_small_pool_change_no_bit_of_the_gradient(tokens):
+    """Recomputing each layer and reading the experts in several waves through a pool of
+    a few slots give the same loss and gradients as keeping everything."""
+    loss_a, grad_a = loss_and_grads("int4", tokens, checkpoint=False)
+    small = EngineOptions(expert_cache=12 * 57344)  # 12 of the 8 x 32 experts
+    loss_b, grad_b = loss_and_grads("int4", tokens, options=small)
+    assert loss_a == loss_b
+    assert torch.equal(grad_a, grad_b)
