@@ -247,7 +247,26 @@ def add_train_parsers(sub) -> None:
             "its K among the W experts the prerouter stages (default K: the prediction routes)",
         )
         p.add_argument("--prompt-len", type=int, default=32)
-        p.add_argument("--batch", type=int, default=8)
+        p.add_argument(
+            "--batch",
+            type=int,
+            default=8,
+            help="sequences per step over all ranks (the effective batch; under torchrun each "
+            "of N ranks computes batch / N of them)",
+        )
+        p.add_argument(
+            "--micro-batch",
+            type=int,
+            default=None,
+            help="sequences per forward: a rank's share of the batch is computed this many "
+            "at a time and the gradients added (less activation memory, the same step)",
+        )
+        p.add_argument(
+            "--save-every",
+            type=int,
+            default=25 if name == "sft" else 10,
+            help="steps between checkpoints (a re-run resumes from the last)",
+        )
         p.add_argument(
             "--base",
             choices=("auto", "int4", "dequantized"),

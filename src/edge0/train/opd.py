@@ -25,7 +25,7 @@ from edge0 import modeldir
 from edge0.engine.sampling import SamplingParams
 from edge0.models import lora
 from edge0.text.tokenizer import load_tokenizer
-from edge0.train import common
+from edge0.train import common, distributed
 from edge0.train.student import (
     base_options,
     load_student,
@@ -44,7 +44,8 @@ class OPDConfig:
     stage_width: int | None = None  # W > K: train on the path `--stage-width W` serves
     prompt_len: int = 32
     gen_len: int = 64
-    batch: int = 8
+    batch: int = 8  # sequences per step over all ranks (the effective batch)
+    micro_batch: int | None = None  # rows per forward of a rank's share (accumulated)
     steps: int = 100
     lr: float = 3e-4
     teacher_topk: int = 16
@@ -89,6 +90,10 @@ def train_opd(
     base = student_base(cfg.base, device)
     if base == "int4":
         device = torch.device("cpu")
+    ranks = distributed.join(device.type)
+    device = distributed.device(ranks, device)
+    share = ranks.share(torch.empty(cfg.batch)).shape[0]  # this rank's rows of each batch
+    progress = progress and ranks.main
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
     stream, data_hash = common.token_stream(data, "train", tok)
@@ -101,23 +106,34 @@ def train_opd(
         device=device,
         stage_width=cfg.stage_width,
         base=base,
-        options=base_options(cfg.process_budget, cfg.batch, cfg.prompt_len + cfg.gen_len),
+        options=base_options(cfg.process_budget, share, cfg.prompt_len + cfg.gen_len),
     )
     student.checkpoint = cfg.checkpoint
     runtime = student.runtime()
     sampling = SamplingParams(temperature=cfg.temperature)
     p = cfg.prompt_len
 
-    def loss_fn(step: int) -> torch.Tensor:
-        prompts = common.random_windows(stream, cfg.batch, p - 1, gen).to(device)
+    def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        prompts = common.random_windows(stream, cfg.batch, p - 1, gen)  # the global batch
+        prompts = ranks.share(prompts).to(device)
+        # each rank samples its rows with its own generator, drawn from the shared one: the
+        # shared one stays in step on every rank (one rank: the rows' samples as before)
+        own = gen
+        if ranks.world > 1:
+            seeds = torch.randint(0, 2**62, (ranks.world,), generator=gen)
+            own = torch.Generator().manual_seed(int(seeds[ranks.rank]))
         student.model.eval()
         seqs = sample(
-            student.model, prompts, cfg.gen_len, sampling, gen, runtime, student.executors
+            student.model, prompts, cfg.gen_len, sampling, own, runtime, student.executors
         )
         with torch.no_grad():
             target = teacher(seqs)[:, p - 1 : -1]
         student.model.train()
-        logits = student.forward(seqs, p)[:, p - 1 : -1]
+        return seqs, target
+
+    def loss_fn(part: tuple[torch.Tensor, torch.Tensor], forward) -> torch.Tensor:
+        seqs, target = part
+        logits = forward(seqs, p)[:, p - 1 : -1]
         return reverse_kl_topk_tail(logits, target, cfg.teacher_topk)
 
     runlog = train_lora(
@@ -129,9 +145,12 @@ def train_opd(
         warmup=max(1, cfg.steps // 10),
         save_every=cfg.save_every,
         gen=gen,
+        batch_fn=batch_fn,
         loss_fn=loss_fn,
+        micro_batch=cfg.micro_batch,
         desc="opd",
         progress=progress,
+        ranks=ranks,
     )
     init_meta = lora.read(init).metadata
     meta = {
@@ -146,7 +165,9 @@ def train_opd(
         "teacher_topk": str(cfg.teacher_topk),
         "student_base": base,
     }
-    lora.save(student.model, out, meta)
+    if ranks.main:
+        lora.save(student.model, out, meta)
+        modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
+    ranks.barrier()
     student.close()
-    modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
     return {"steps": cfg.steps, "final_loss": runlog.entries[-1]["loss"]}

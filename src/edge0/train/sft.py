@@ -26,7 +26,7 @@ from edge0 import modeldir
 from edge0.engine.sampling import SamplingParams
 from edge0.models import lora
 from edge0.text.tokenizer import load_tokenizer
-from edge0.train import common
+from edge0.train import common, distributed
 from edge0.train.student import (
     base_options,
     load_student,
@@ -63,7 +63,8 @@ class SFTConfig:
     source: str = "teacher"
     gen_batch: int = 32
     steps: int = 300
-    batch: int = 8
+    batch: int = 8  # sequences per step over all ranks (the effective batch)
+    micro_batch: int | None = None  # rows per forward of a rank's share (accumulated)
     lr: float = 1e-3
     save_every: int = 25
     seed: int = 0
@@ -138,6 +139,10 @@ def train_sft(
     base = student_base(cfg.base, device)
     if base == "int4":
         device = torch.device("cpu")
+    ranks = distributed.join(device.type)
+    device = distributed.device(ranks, device)
+    share = ranks.share(torch.empty(cfg.batch)).shape[0]  # this rank's rows of each batch
+    progress = progress and ranks.main
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
     p = cfg.prompt_len
@@ -146,13 +151,14 @@ def train_sft(
         stream, data_hash = common.token_stream(data, "train", tok)
     else:
         cache = run / "dataset.pt"
-        if cache.exists():
-            dataset = torch.load(cache)
-        else:
+        if ranks.main and not cache.exists():  # rank 0 samples the teacher, the others wait
             tokens, digest = teacher_dataset(teacher_dir, data, tok, cfg, gen, device, progress)
-            dataset = {"tokens": tokens, "data_hash": digest}
-            torch.save(dataset, cache)
+            torch.save({"tokens": tokens, "data_hash": digest, "gen": gen.get_state()}, cache)
+        ranks.barrier()
+        dataset = torch.load(cache)
         tokens, data_hash = dataset["tokens"], dataset["data_hash"]
+        if "gen" in dataset:  # every rank draws batches from where sampling left the generator
+            gen.set_state(dataset["gen"])
     student = load_student(
         model_dir,
         top_k=cfg.top_k,
@@ -163,19 +169,22 @@ def train_sft(
         stage_width=cfg.stage_width,
         lora_routers=cfg.lora_routers,
         base=base,
-        options=base_options(cfg.process_budget, cfg.batch, p + cfg.gen_len),
+        options=base_options(cfg.process_budget, share, p + cfg.gen_len),
     )
     student.checkpoint = cfg.checkpoint
     student.model.train()
     teacher = load_teacher(teacher_dir, device) if cfg.loss == "kl" else None
 
-    def loss_fn(step: int) -> torch.Tensor:
+    def batch_fn(step: int) -> tuple[torch.Tensor]:
         if tokens is None:  # [B, P + C] fresh corpus windows
             batch = common.random_windows(stream, cfg.batch, p + cfg.gen_len - 1, gen)
         else:
             batch = tokens[torch.randint(0, tokens.shape[0], (cfg.batch,), generator=gen)]
-        batch = batch.to(device)
-        logits = student.forward(batch, p)
+        return (ranks.share(batch).to(device),)  # every rank drew the same global batch
+
+    def loss_fn(part: tuple[torch.Tensor], forward) -> torch.Tensor:
+        (batch,) = part
+        logits = forward(batch, p)
         if teacher is None:
             return continuation_loss(logits, batch, p)
         with torch.no_grad():
@@ -191,9 +200,12 @@ def train_sft(
         warmup=max(1, cfg.steps // 20),
         save_every=cfg.save_every,
         gen=gen,
+        batch_fn=batch_fn,
         loss_fn=loss_fn,
+        micro_batch=cfg.micro_batch,
         desc="sft",
         progress=progress,
+        ranks=ranks,
     )
     meta = {
         "model": model_dir.name,
@@ -207,9 +219,11 @@ def train_sft(
         "source": cfg.source,
         "student_base": base,
     }
-    lora.save(student.model, out, meta)
+    if ranks.main:
+        lora.save(student.model, out, meta)
+        modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
+    ranks.barrier()
     student.close()
-    modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
     return {
         "steps": cfg.steps,
         "final_loss": runlog.entries[-1]["loss"],

@@ -16,6 +16,7 @@ Shape legend: B batch, P prompt length, C continuation length, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +36,7 @@ from edge0.models.base import Forward
 from edge0.prerouter.head import Prerouter
 from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
-from edge0.train import common, int4_base
+from edge0.train import common, distributed, int4_base
 
 BASES = ("int4", "dequantized")
 
@@ -240,14 +241,26 @@ def train_lora(
     warmup: int,
     save_every: int,
     gen: torch.Generator,
+    batch_fn,
     loss_fn,
     desc: str,
     progress: bool,
+    ranks: distributed.Ranks | None = None,
+    micro_batch: int | None = None,
 ) -> common.RunLog:
     """The loop phases 2 and 3 share: AdamW on the LoRA only, warm-up + cosine, clipping,
     a JSON log of every loss, and resumable checkpoints of the trainables every save_every.
-    `loss_fn(step)` returns the step's loss tensor."""
+
+    `batch_fn(step)` returns this rank's share of the step's batch as a tuple of tensors
+    [rows, ...]; `loss_fn(part, forward)` the mean loss over a part of it, computing the
+    student through `forward` (Student.forward, wrapped in DistributedDataParallel on
+    several ranks: train/distributed.py). With `micro_batch` the share is computed that many
+    rows at a time, their gradients added with weights rows / share (accumulation): the
+    same step in less activation memory, and the same arithmetic per row as N ranks of
+    micro_batch rows each."""
+    ranks = ranks or distributed.Ranks()
     params = lora_parameters(student.model)
+    forward = distributed.wrap(params, student.forward, ranks)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     runlog = common.RunLog.resume(run / "log.json", config)
     step = 0
@@ -257,25 +270,37 @@ def train_lora(
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["gen"])
         step = state["step"]
-    bar = tqdm(total=steps, initial=step, desc=desc, unit="step", disable=not progress)
+    bar = tqdm(
+        total=steps, initial=step, desc=desc, unit="step", disable=not (progress and ranks.main)
+    )
     t0 = time.perf_counter()
     while step < steps:
         for group in opt.param_groups:
             group["lr"] = common.cosine_lr(step, steps, lr, warmup, lr / 10)
-        loss = loss_fn(step)
+        share = batch_fn(step)
+        rows = share[0].shape[0]
+        parts = list(zip(*(t.split(micro_batch or rows) for t in share), strict=True))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = torch.zeros(())
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            # DDP averages the gradients over the ranks in the last part's backward pass
+            with contextlib.nullcontext() if last else distributed.no_sync(forward):
+                part_loss = loss_fn(part, forward) * (part[0].shape[0] / rows)
+                part_loss.backward()
+            loss = loss + part_loss.detach().cpu()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        runlog.add(
-            step=step, loss=round(loss.item(), 5), elapsed_s=round(time.perf_counter() - t0, 1)
-        )
+        value = distributed.mean(loss.detach(), ranks)  # the whole batch's loss
+        runlog.add(step=step, loss=round(value, 5), elapsed_s=round(time.perf_counter() - t0, 1))
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
+        bar.set_postfix(loss=f"{value:.4f}")
         if step % save_every == 0 or step == steps:
-            trainable = {k: v for k, v in student.model.state_dict().items() if ".lora_" in k}
-            common.save_state(run / "state.pt", step, trainable, opt, gen)
-            runlog.save()
+            if ranks.main:
+                trainable = {k: v for k, v in student.model.state_dict().items() if ".lora_" in k}
+                common.save_state(run / "state.pt", step, trainable, opt, gen)
+                runlog.save()
+            ranks.barrier()  # no rank runs ahead of a checkpoint it could resume from
     bar.close()
     return runlog
