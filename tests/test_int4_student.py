@@ -76,3 +76,27 @@ def test_checkpointing_and_a_small_pool_change_no_bit_of_the_gradient(tokens):
     loss_b, grad_b = loss_and_grads("int4", tokens, options=small)
     assert loss_a == loss_b
     assert torch.equal(grad_a, grad_b)
+
+
+def test_an_edge0_teacher_is_its_model_at_native_k_through_a_two_layer_pool(tokens):
+    """`--teacher` may be an edge0 directory: served by edge0 (its routers, native K, int4
+    experts through a pool of two layers' experts), it scores as its dequantized model does
+    up to the int4 kernels' bf16 activations."""
+    from edge0.modeldir import loader
+    from edge0.train.student import EngineTeacher, load_teacher
+
+    teacher = load_teacher(builtin.model_dir(), rows=3, length=48)
+    try:
+        assert isinstance(teacher, EngineTeacher)
+        assert not teacher.engine.plan.holds_every_expert
+        got = teacher(tokens)
+    finally:
+        teacher.close()
+    manifest, model = loader.load_edge0_model(builtin.model_dir(), experts="dequantized")
+    model.set_top_k(manifest.native_top_k)
+    with torch.no_grad():
+        want = model(tokens)
+    logp, logq = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).mean()
+    assert kl < 1e-3
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.97

@@ -65,26 +65,58 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_teacher_cache(args: argparse.Namespace) -> int:
+    import time
+
+    from edge0.train.teacher_cache import CacheConfig, build
+
+    cfg = config_from_args(CacheConfig, args)
+    t0 = time.perf_counter()
+    with memory.PeakSampler(interval_s=0.1) as peaks:
+        r = build(args.teacher_dir, args.data, args.out, cfg, progress=not args.quiet)
+    print(
+        f"wrote {args.out}: {r['windows']} windows x {r['gen_len']} positions, top-{r['topk']} "
+        f"+ tail, {memory.format_bytes(r['bytes'])} ({r['bytes_per_position']:.0f} bytes a "
+        f"position) in {time.perf_counter() - t0:.1f} s; peak anonymous "
+        f"{memory.format_bytes(peaks.peak_anon)}"
+    )
+    return 0
+
+
 def cmd_train_sft(args: argparse.Namespace) -> int:
     from edge0.train.sft import SFTConfig, train_sft
 
     cfg = config_from_args(SFTConfig, args)
+    if args.teacher is None and args.teacher_cache is None:
+        raise SystemExit("edge0 train sft: give --teacher DIR or --teacher-cache DIR")
     out = args.out or args.model_dir / modeldir.LORA_SFT_FILE
-    r = train_sft(
-        args.model_dir,
-        args.teacher,
-        args.data,
-        out,
-        cfg,
-        heads=args.prerouter,
-        progress=not args.quiet,
-    )
+    with memory.PeakSampler(interval_s=0.1) as peaks:
+        r = train_sft(
+            args.model_dir,
+            args.teacher,
+            args.data,
+            out,
+            cfg,
+            heads=args.prerouter,
+            progress=not args.quiet,
+        )
     seen = "fresh corpus windows" if r["samples"] is None else f"{r['samples']} teacher samples"
+    if r["cache_windows"] is not None:
+        seen = f"the teacher cache's {r['cache_windows']} windows"
     print(
         f"wrote {out}: {r['steps']} steps on {seen}, "
         f"final loss {r['final_loss']:.4f}; log in {out}.run/log.json"
     )
+    _print_cost(r, peaks)
     return 0
+
+
+def _print_cost(r: dict, peaks) -> None:
+    print(
+        f"{r['base']} base: {r['step_s']:.2f} s a step; peak anonymous "
+        f"{memory.format_bytes(peaks.peak_anon)}, file-backed "
+        f"{memory.format_bytes(peaks.peak_file)} (this process)"
+    )
 
 
 def cmd_train_opd(args: argparse.Namespace) -> int:
@@ -94,20 +126,22 @@ def cmd_train_opd(args: argparse.Namespace) -> int:
 
     init = args.init or args.model_dir / modeldir.LORA_SFT_FILE
     out = args.out or args.model_dir / modeldir.LORA_FILE
-    r = train_opd(
-        args.model_dir,
-        args.teacher,
-        args.data,
-        init,
-        out,
-        cfg,
-        heads=args.prerouter,
-        progress=not args.quiet,
-    )
+    with memory.PeakSampler(interval_s=0.1) as peaks:
+        r = train_opd(
+            args.model_dir,
+            args.teacher,
+            args.data,
+            init,
+            out,
+            cfg,
+            heads=args.prerouter,
+            progress=not args.quiet,
+        )
     print(
         f"wrote {out}: {r['steps']} on-policy steps, final loss {r['final_loss']:.5f}; "
         f"log in {out}.run/log.json"
     )
+    _print_cost(r, peaks)
     return 0
 
 
@@ -177,6 +211,29 @@ def add_train_parsers(sub) -> None:
     te.add_argument("--quiet", action="store_true")
     te.set_defaults(func=cmd_train_teacher)
 
+    tc = tsub.add_parser(
+        "teacher-cache",
+        help="run the teacher once over corpus windows and keep its top-k + tail per position "
+        "(train sft --teacher-cache then needs no teacher)",
+    )
+    tc.add_argument("teacher_dir", type=Path, help="HF or edge0 teacher directory")
+    tc.add_argument("--out", type=Path, required=True, help="the cache's directory")
+    tc.add_argument(
+        "--data",
+        nargs="+",
+        default=["stdlib"],
+        help="text files or directories, or 'stdlib' (default)",
+    )
+    tc.add_argument("--windows", type=int, default=1024, help="corpus windows to score")
+    tc.add_argument("--prompt-len", type=int, default=32)
+    tc.add_argument("--gen-len", type=int, default=224, help="positions kept per window")
+    tc.add_argument("--topk", type=int, default=32, help="teacher tokens kept per position")
+    tc.add_argument("--shard-windows", type=int, default=128, help="windows per shard file")
+    tc.add_argument("--batch", type=int, default=8, help="windows per teacher forward")
+    tc.add_argument("--seed", type=int, default=0)
+    tc.add_argument("--quiet", action="store_true")
+    tc.set_defaults(func=cmd_train_teacher_cache)
+
     he = tsub.add_parser("heads", help="phase 1: distill prerouter heads from the routers")
     he.add_argument("model_dir", type=Path)
     he.add_argument(
@@ -224,7 +281,13 @@ def add_train_parsers(sub) -> None:
     ):
         p = tsub.add_parser(name, help=help_)
         p.add_argument("model_dir", type=Path)
-        p.add_argument("--teacher", type=Path, required=True, help="full-precision HF teacher")
+        p.add_argument(
+            "--teacher",
+            type=Path,
+            required=name == "opd",
+            help="the teacher: a Hugging Face directory (full precision, in memory) or an "
+            "edge0 directory (served by edge0: native K, int4 experts through a small pool)",
+        )
         p.add_argument(
             "--data",
             nargs="+",
@@ -304,6 +367,14 @@ def add_train_parsers(sub) -> None:
                 "only on the family's attention and shared-expert projections",
             )
             p.add_argument("--samples", type=int, default=512, help="teacher continuations")
+            p.add_argument(
+                "--teacher-cache",
+                type=Path,
+                default=None,
+                help="train on a teacher cache (edge0 train teacher-cache): its windows and the "
+                "teacher's top-k + tail at each continuation position; no teacher is loaded "
+                "(--prompt-len, --gen-len, --loss and --source are the cache's)",
+            )
             p.add_argument("--gen-len", type=int, default=96)
             p.add_argument("--steps", type=int, default=300)
             p.add_argument("--lr", type=float, default=1e-3)

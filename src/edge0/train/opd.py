@@ -31,6 +31,7 @@ from edge0.train.student import (
     load_student,
     load_teacher,
     sample,
+    step_seconds,
     student_base,
     train_lora,
 )
@@ -97,7 +98,7 @@ def train_opd(
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
     stream, data_hash = common.token_stream(data, "train", tok)
-    teacher = load_teacher(teacher_dir, device)
+    teacher = load_teacher(teacher_dir, device, rows=share, length=cfg.prompt_len + cfg.gen_len)
     student = load_student(
         model_dir,
         top_k=cfg.top_k,
@@ -170,4 +171,9 @@ def train_opd(
         modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
     ranks.barrier()
     student.close()
-    return {"steps": cfg.steps, "final_loss": runlog.entries[-1]["loss"]}
+    return {
+        "steps": cfg.steps,
+        "final_loss": runlog.entries[-1]["loss"],
+        "base": base,
+        "step_s": step_seconds(runlog),
+    }

@@ -32,9 +32,12 @@ from edge0.train.student import (
     load_student,
     load_teacher,
     sample,
+    step_seconds,
     student_base,
+    teacher_parts,
     train_lora,
 )
+from edge0.train.teacher_cache import TeacherCache, top_k_tail_kl
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,9 @@ class SFTConfig:
     # positions trained reach prompt_len + gen_len, as far as the text served does
     source: str = "teacher"
     gen_batch: int = 32
+    # a teacher cache (train/teacher_cache.py): its windows, distilled on the teacher's
+    # cached top-k + tail at each continuation position; no teacher is loaded
+    teacher_cache: Path | None = None
     steps: int = 300
     batch: int = 8  # sequences per step over all ranks (the effective batch)
     micro_batch: int | None = None  # rows per forward of a rank's share (accumulated)
@@ -85,7 +91,9 @@ def teacher_dataset(
     """[samples, prompt_len + gen_len] tokens: corpus prompts and teacher continuations."""
     stream, data_hash = common.token_stream(data, "train", tokenizer)
     prompts = common.random_windows(stream, cfg.samples, cfg.prompt_len - 1, gen)
-    teacher = load_teacher(teacher_dir, device)
+    length = cfg.prompt_len + cfg.gen_len
+    teacher = load_teacher(teacher_dir, device, rows=cfg.gen_batch, length=length)
+    model, executors = teacher_parts(teacher)
     params = SamplingParams(temperature=cfg.temperature)
     out = []
     for i in tqdm(
@@ -96,9 +104,16 @@ def teacher_dataset(
     ):
         out.append(
             sample(
-                teacher, prompts[i : i + cfg.gen_batch].to(device), cfg.gen_len, params, gen
+                model,
+                prompts[i : i + cfg.gen_batch].to(device),
+                cfg.gen_len,
+                params,
+                gen,
+                executors=executors,
             ).cpu()
         )
+    if hasattr(teacher, "close"):
+        teacher.close()
     tokens = torch.cat(out)
     digest = hashlib.sha256(data_hash.encode() + tokens.numpy().tobytes()).hexdigest()
     return tokens, digest
@@ -145,9 +160,14 @@ def train_sft(
     progress = progress and ranks.main
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
-    p = cfg.prompt_len
-    stream = tokens = None  # corpus windows are cut from `stream`; teacher samples are `tokens`
-    if cfg.source == "corpus":
+    p, gen_len = cfg.prompt_len, cfg.gen_len
+    stream = tokens = cache = None  # corpus windows are cut from `stream`; teacher samples are
+    # `tokens`; a teacher cache's windows come with the teacher's top-k + tail
+    if cfg.teacher_cache is not None:
+        cache = TeacherCache(cfg.teacher_cache)
+        cache.check(len(tok))
+        p, gen_len, data_hash = cache.prompt_len, cache.gen_len, cache.meta["data_hash"]
+    elif cfg.source == "corpus":
         stream, data_hash = common.token_stream(data, "train", tok)
     else:
         cache = run / "dataset.pt"
@@ -159,6 +179,9 @@ def train_sft(
         tokens, data_hash = dataset["tokens"], dataset["data_hash"]
         if "gen" in dataset:  # every rank draws batches from where sampling left the generator
             gen.set_state(dataset["gen"])
+    teacher = None  # first: an edge0 teacher's pool is then counted by the student's plan
+    if cfg.loss == "kl" and cache is None:
+        teacher = load_teacher(teacher_dir, device, rows=share, length=p + gen_len)
     student = load_student(
         model_dir,
         top_k=cfg.top_k,
@@ -169,20 +192,25 @@ def train_sft(
         stage_width=cfg.stage_width,
         lora_routers=cfg.lora_routers,
         base=base,
-        options=base_options(cfg.process_budget, share, p + cfg.gen_len),
+        options=base_options(cfg.process_budget, share, p + gen_len),
     )
     student.checkpoint = cfg.checkpoint
     student.model.train()
-    teacher = load_teacher(teacher_dir, device) if cfg.loss == "kl" else None
 
-    def batch_fn(step: int) -> tuple[torch.Tensor]:
+    def batch_fn(step: int) -> tuple[torch.Tensor, ...]:
+        if cache is not None:  # [B] of the cache's windows, with the teacher's top-k + tail
+            index = torch.randint(0, cache.windows, (cfg.batch,), generator=gen)
+            return tuple(t.to(device) for t in cache.rows(ranks.share(index)))
         if tokens is None:  # [B, P + C] fresh corpus windows
             batch = common.random_windows(stream, cfg.batch, p + cfg.gen_len - 1, gen)
         else:
             batch = tokens[torch.randint(0, tokens.shape[0], (cfg.batch,), generator=gen)]
         return (ranks.share(batch).to(device),)  # every rank drew the same global batch
 
-    def loss_fn(part: tuple[torch.Tensor], forward) -> torch.Tensor:
+    def loss_fn(part: tuple[torch.Tensor, ...], forward) -> torch.Tensor:
+        if cache is not None:
+            batch, ids, logprobs, tail = part
+            return top_k_tail_kl(forward(batch, p)[:, p - 1 : -1], ids, logprobs, tail)
         (batch,) = part
         logits = forward(batch, p)
         if teacher is None:
@@ -215,8 +243,8 @@ def train_sft(
         "K": str(student.top_k),
         "W": str(student.stage_width or student.top_k),
         "seed": str(cfg.seed),
-        "loss": cfg.loss,
-        "source": cfg.source,
+        "loss": "top-k + tail KL (teacher cache)" if cache is not None else cfg.loss,
+        "source": "teacher cache" if cache is not None else cfg.source,
         "student_base": base,
     }
     if ranks.main:
@@ -227,5 +255,8 @@ def train_sft(
     return {
         "steps": cfg.steps,
         "final_loss": runlog.entries[-1]["loss"],
+        "base": base,
+        "step_s": step_seconds(runlog),
         "samples": None if tokens is None else tokens.shape[0],
+        "cache_windows": None if cache is None else cache.windows,
     }

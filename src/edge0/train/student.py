@@ -108,10 +108,74 @@ def base_options(
     )
 
 
-def load_teacher(path: Path | str, device: torch.device | None = None) -> torch.nn.Module:
+class EngineTeacher:
+    """A teacher served by edge0 from its own model directory (`edge0 convert` of it): the
+    native K through its own routers, resident weights as converted, int4 experts read
+    through a pool of `pool_layers` layers' experts (a whole-layer forward needs one;
+    the second lets the next layer's reads start). Called as the HF teacher is: tokens
+    [B, T] -> logits [B, T, V]. Its pool is filled at load, so that a student's plan made
+    after it counts it."""
+
+    def __init__(self, path: Path, rows: int, length: int, pool_layers: int = 2):
+        manifest = modeldir.Manifest.load(path)
+        experts = manifest.experts
+        options = EngineOptions(
+            top_k=manifest.native_top_k,
+            expert_cache=pool_layers * experts["num_experts"] * experts["extent_bytes"],
+            max_context=length,
+            max_active=rows,
+            no_prerouter=True,
+            no_lora=True,
+            prefix_cache=0,
+            preload=False,
+        )
+        self.engine = load_engine(path, options)
+        self.model = self.engine.model
+        self._fill_pool()
+
+    @property
+    def executors(self) -> dict:
+        return int4_base.executors(self.engine)
+
+    def _fill_pool(self) -> None:
+        n = self.engine.config.num_experts
+        for layer in self.engine.moe_layers:
+            if self.engine.pool.available() < n:
+                break
+            entries = self.engine.pool.request(layer, list(range(n)))
+            self.engine.pool.wait(entries)
+            self.engine.pool.release(entries)
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens, Forward(executors=self.executors))
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def load_teacher(
+    path: Path | str,
+    device: torch.device | None = None,
+    rows: int = 8,
+    length: int = 4096,
+):
+    """The teacher: a Hugging Face directory (full precision, in memory, on `device`), or an
+    edge0 model directory, served by edge0 on the CPU within a small pool (EngineTeacher,
+    planned for forwards of `rows` sequences of `length` tokens)."""
+    path = Path(path)
+    if (path / modeldir.MANIFEST).exists():
+        return EngineTeacher(path, rows, length)
     model = loader.load_hf_model(path)
     model.requires_grad_(False)
     return model.to(device or "cpu")
+
+
+def teacher_parts(teacher) -> tuple[torch.nn.Module, dict | None]:
+    """(the teacher's model, where its experts come from) for sampling from it."""
+    if isinstance(teacher, EngineTeacher):
+        return teacher.model, teacher.executors
+    return teacher, None
 
 
 def load_student(
@@ -304,3 +368,10 @@ def train_lora(
             ranks.barrier()  # no rank runs ahead of a checkpoint it could resume from
     bar.close()
     return runlog
+
+
+def step_seconds(runlog: common.RunLog) -> float:
+    """Median seconds a step of this run took (its logged entries' elapsed times)."""
+    times = [e["elapsed_s"] for e in runlog.entries]
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    return float(sorted(gaps)[len(gaps) // 2]) if gaps else 0.0
