@@ -139,7 +139,9 @@ def cmd_train_opd(args: argparse.Namespace) -> int:
         )
     print(
         f"wrote {out}: {r['steps']} on-policy steps, final loss {r['final_loss']:.5f}; "
-        f"log in {out}.run/log.json"
+        f"log in {out}.run/log.json\n"
+        f"time: sampling {r['sample_s']:.1f} s, scoring {r['score_s']:.1f} s, training "
+        f"{r['train_s']:.1f} s (the steps this process ran)"
     )
     _print_cost(r, peaks)
     return 0

@@ -16,6 +16,7 @@ The gradient flows through the prediction-routed student forward into the LoRA o
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +115,8 @@ def train_opd(
     sampling = SamplingParams(temperature=cfg.temperature)
     p = cfg.prompt_len
 
+    spent = {"sample_s": 0.0, "score_s": 0.0}  # this process's steps: sampling, scoring
+
     def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         prompts = common.random_windows(stream, cfg.batch, p - 1, gen)  # the global batch
         prompts = ranks.share(prompts).to(device)
@@ -124,11 +127,15 @@ def train_opd(
             seeds = torch.randint(0, 2**62, (ranks.world,), generator=gen)
             own = torch.Generator().manual_seed(int(seeds[ranks.rank]))
         student.model.eval()
+        t0 = time.perf_counter()
         seqs = sample(
             student.model, prompts, cfg.gen_len, sampling, own, runtime, student.executors
         )
+        t1 = time.perf_counter()
         with torch.no_grad():
             target = teacher(seqs)[:, p - 1 : -1]
+        spent["sample_s"] += t1 - t0
+        spent["score_s"] += time.perf_counter() - t1
         student.model.train()
         return seqs, target
 
@@ -137,6 +144,7 @@ def train_opd(
         logits = forward(seqs, p)[:, p - 1 : -1]
         return reverse_kl_topk_tail(logits, target, cfg.teacher_topk)
 
+    t_loop = time.perf_counter()
     runlog = train_lora(
         student,
         run,
@@ -153,6 +161,7 @@ def train_opd(
         progress=progress,
         ranks=ranks,
     )
+    spent["train_s"] = time.perf_counter() - t_loop - spent["sample_s"] - spent["score_s"]
     init_meta = lora.read(init).metadata
     meta = {
         "model": model_dir.name,
@@ -176,4 +185,5 @@ def train_opd(
         "final_loss": runlog.entries[-1]["loss"],
         "base": base,
         "step_s": step_seconds(runlog),
+        **{k: round(v, 1) for k, v in spent.items()},
     }

@@ -170,12 +170,12 @@ def train_sft(
     elif cfg.source == "corpus":
         stream, data_hash = common.token_stream(data, "train", tok)
     else:
-        cache = run / "dataset.pt"
-        if ranks.main and not cache.exists():  # rank 0 samples the teacher, the others wait
+        samples = run / "dataset.pt"
+        if ranks.main and not samples.exists():  # rank 0 samples the teacher, the others wait
             tokens, digest = teacher_dataset(teacher_dir, data, tok, cfg, gen, device, progress)
-            torch.save({"tokens": tokens, "data_hash": digest, "gen": gen.get_state()}, cache)
+            torch.save({"tokens": tokens, "data_hash": digest, "gen": gen.get_state()}, samples)
         ranks.barrier()
-        dataset = torch.load(cache)
+        dataset = torch.load(samples)
         tokens, data_hash = dataset["tokens"], dataset["data_hash"]
         if "gen" in dataset:  # every rank draws batches from where sampling left the generator
             gen.set_state(dataset["gen"])
