@@ -100,3 +100,23 @@ def test_an_edge0_teacher_is_its_model_at_native_k_through_a_two_layer_pool(toke
     kl = (logp.exp() * (logp - logq)).sum(-1).mean()
     assert kl < 1e-3
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.97
+
+
+def test_inspect_estimates_training_memory_from_the_shapes():
+    """`edge0 inspect --train ROWS LENGTH RANK`: the parts add up, the LoRA is the one
+    training attaches, the logits and the dequantized weights are what those shapes hold."""
+    from edge0.cli.inspect import inspect_dir
+
+    report = inspect_dir(builtin.model_dir(), train=(8, 256, 16))
+    t = report.memory["training"]
+    parts = ("runtime", "int4_floor", "int4_pool_min", "trainable", "checkpoints")
+    parts += ("layer_work", "logits")
+    assert t["int4_student"] == sum(t[p] for p in parts)
+    student = load_student(builtin.model_dir(), new_lora=(16, 32.0), base="dequantized")
+    lora_params = sum(p.numel() for p in lora_parameters(student.model))
+    weights = sum(p.numel() for n, p in student.model.named_parameters() if ".lora_" not in n)
+    assert t["trainable"] == lora_params * 4 * 4  # fp32 weight, gradient, AdamW's two moments
+    assert t["dequantized_weights"] == weights * 4
+    assert t["logits"] == 3 * 8 * 256 * student.model.config.vocab_size * 4
+    assert t["checkpoints"] == 8 * 8 * 256 * student.model.config.hidden_size * 4
+    assert t["int4_student"] < t["dequantized_student"]

@@ -88,6 +88,7 @@ def inspect_dir(
     max_active: int = 1,
     prefix_cache: int | None = 0,
     prerouter_always: bool = False,
+    train: tuple[int, int, int] | None = None,
 ) -> Report:
     """Inspect a Hugging Face, MLX or edge0 directory without reading tensor data; the memory
     prediction is the serving plan for these options (EngineOptions' fields of the same name)."""
@@ -204,6 +205,7 @@ def inspect_dir(
             int4_bytes,
             int4_params,
             (manifest or {}).get("served_stage_width"),
+            train if fmt == "edge0" else None,
         )
     return report
 
@@ -272,6 +274,7 @@ def predict_memory(
     int4_bytes: int = 0,
     int4_params: int = 0,
     served_stage_width: int | None = None,
+    train: tuple[int, int, int] | None = None,
 ) -> dict[str, object]:
     """The engine's serving plan for this model (plan.py), from headers: the floor by part, the
     pool in whole extents, the staging room, and the whole process's peak: runtime (this
@@ -298,10 +301,15 @@ def predict_memory(
     )
     machine = memory.MachineMemory.now()
     machine = memory.MachineMemory(serving_runtime(path), None, machine.available)
+    training = {}
+    if train is not None:
+        k = resolve_top_k(options.top_k, served_top_k, r.native_top_k)
+        training = {"training": training_memory(path, sizes, r, k, machine.runtime, *train)}
     try:
         plan = make_plan(sizes, options, machine)
     except ValueError as e:
         return {
+            **training,
             "fits": False,
             "predicted_peak_bytes": None,
             "memory_budget": options.memory_budget,
@@ -311,11 +319,43 @@ def predict_memory(
         }
     out = plan.as_dict()
     out.update(fits=True, predicted_peak_bytes=plan.peak_bytes, state_source=state_source)
+    out.update(training)
     out["state_by_context"] = {
         n: {name: sizes.state_bytes(n, options.dtype, kv) for name, kv in KV_DTYPES.items()}
         for n in sorted({plan.max_context, 4096, 32768})
     }
     return out
+
+
+def training_memory(
+    path: Path,
+    sizes: ModelSizes,
+    r: Report,
+    k: int,
+    runtime: int,
+    rows: int,
+    length: int,
+    rank: int,
+) -> dict:
+    """train/budget.py's estimate for phases 2 and 3 on this edge0 directory: rows sequences
+    of length tokens a forward, a new LoRA of `rank` on the family's targets."""
+    from edge0 import models
+    from edge0.models import lora
+    from edge0.train import budget
+
+    md = modeldir.ModelDir(path, no_lora=True, no_prerouter=True)
+    model = md.skeleton
+    fam = models.family(model.config.model_type)
+    names = dict(model.named_modules())
+    targets = lora.target_paths(model, fam.LORA_TARGETS)
+    lora_params = sum(rank * (names[t].in_features + names[t].out_features) for t in targets)
+    shapes = budget.Shapes(
+        layers=len(model.backbone.layers),
+        vocab=int(model.config.vocab_size),
+        params=r.total.params - r.unused.params,  # adapters are not counted in total
+        lora_params=lora_params,
+    )
+    return budget.estimate(sizes, shapes, rows, length, k, runtime).as_dict()
 
 
 def serving_runtime(path: Path) -> int:
@@ -441,4 +481,25 @@ def format_report(r: Report) -> str:
         lines += [f"    ({note})" for note in m["notes"]]
     elif m:
         lines += ["", f"  does not fit: {m['note']}"]
+    if m and "training" in m:
+        lines += format_training(m["training"])
     return "\n".join(lines)
+
+
+def format_training(t: dict) -> list[str]:
+    """The training estimate's lines (train/budget.py)."""
+    return [
+        "",
+        f"  training (phases 2 and 3), {t['rows']} x {t['length']} tokens a forward, estimated:",
+        f"    int4 student (CPU): {_gib(t['int4_student'])} = runtime {_gib(t['runtime'])} + "
+        f"floor {_gib(t['int4_floor'])} + "
+        f"pool of one layer {_gib(t['int4_pool_min'])} + LoRA, gradient and AdamW "
+        f"{_gib(t['trainable'])} + layer inputs {_gib(t['checkpoints'])} + one layer's "
+        f"recompute and backward {_gib(t['layer_work'])} + logits {_gib(t['logits'])}",
+        f"    dequantized student (GPU): {_gib(t['dequantized_student'])} = runtime + fp32 weights "
+        f"{_gib(t['dequantized_weights'])} + every layer's activations "
+        f"{_gib(t['dequantized_activations'])} + LoRA {_gib(t['trainable'])}",
+        f"    teacher: cached (none in memory; {t['cache_bytes_per_position']} bytes a position "
+        f"on disk at top-32), edge0's {_gib(t['edge0_teacher'])}, Hugging Face bf16 "
+        f"{_gib(t['hf_teacher_bf16'])}",
+    ]

@@ -188,6 +188,15 @@ def add_inspect_parser(sub) -> None:
         action="store_true",
         help="plan the prerouter also where the pool holds every expert, as the engine flag",
     )
+    p.add_argument(
+        "--train",
+        nargs=3,
+        type=int,
+        metavar=("ROWS", "LENGTH", "RANK"),
+        default=None,
+        help="also estimate phases 2 and 3's memory (edge0 directories): ROWS sequences of "
+        "LENGTH tokens a forward, a new LoRA of RANK (docs/training.md), e.g. 8 256 16",
+    )
     p.set_defaults(func=cmd_inspect)
 
 
@@ -259,6 +268,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         max_active=args.max_active,
         prefix_cache=args.prefix_cache,
         prerouter_always=args.prerouter_always,
+        train=tuple(args.train) if args.train else None,
     )
     print(
         json.dumps(report.as_dict(), indent=2) if args.json else with_flags(format_report(report))
