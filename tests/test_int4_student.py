@@ -120,3 +120,20 @@ def test_inspect_estimates_training_memory_from_the_shapes():
     assert t["logits"] == 3 * 8 * 256 * student.model.config.vocab_size * 4
     assert t["checkpoints"] == 8 * 8 * 256 * student.model.config.hidden_size * 4
     assert t["int4_student"] < t["dequantized_student"]
+
+
+def test_a_wide_projection_passes_its_gradient_a_block_of_rows_at_a_time(monkeypatch):
+    """The backward dequantizes BACKWARD_ROWS output rows at a time (a 248k-token lm_head
+    whole would be 1.9 GiB): the same gradient as the whole matrix, across a tail block."""
+    from edge0.models import int4
+
+    monkeypatch.setattr(int4, "BACKWARD_ROWS", 64)
+    g = torch.Generator().manual_seed(3)
+    lin = Int4Linear(*quantize(torch.randn(64 * 5 + 32, 128, generator=g)), host_layout())
+    x = torch.randn(4, 128, generator=g, requires_grad=True)
+    dy = torch.randn(4, 64 * 5 + 32, generator=g)
+    (got,) = torch.autograd.grad(lin(x), x, dy)
+    torch.testing.assert_close(got, dy @ lin.dequantized())
+    torch.testing.assert_close(
+        lin.dequantized_rows(128, 64 * 3 + 32), lin.dequantized()[128:], rtol=0, atol=0
+    )

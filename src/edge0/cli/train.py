@@ -87,8 +87,12 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     from edge0.train.sft import SFTConfig, train_sft
 
     cfg = config_from_args(SFTConfig, args)
-    if args.teacher is None and args.teacher_cache is None:
-        raise SystemExit("edge0 train sft: give --teacher DIR or --teacher-cache DIR")
+    needs_teacher = args.source == "teacher" or args.loss == "kl"
+    if args.teacher is None and args.teacher_cache is None and needs_teacher:
+        raise SystemExit(
+            "edge0 train sft: give --teacher DIR or --teacher-cache DIR (only --source "
+            "corpus --loss ce trains without a teacher)"
+        )
     out = args.out or args.model_dir / modeldir.LORA_SFT_FILE
     with memory.PeakSampler(interval_s=0.1) as peaks:
         r = train_sft(

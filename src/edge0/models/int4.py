@@ -80,14 +80,28 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """fp32 W [N, K] exactly as the kernel sees it."""
-        pairs = self.pairs.view(torch.bfloat16)
-        return self.layout.dequantize(self.packed, pairs, self.out_features, self.in_features)
+        return self.dequantized_rows(0, self.out_features)
+
+    def dequantized_rows(self, first: int, rows: int) -> torch.Tensor:
+        """fp32 W[first : first + rows] as the kernel sees it; `first` a multiple of 64 (a
+        whole block of every arrangement, whose packed rows are the block's rows)."""
+        assert first % 64 == 0, first
+        pairs = self.pairs.view(torch.bfloat16)[:, first : first + rows]
+        return self.layout.dequantize(
+            self.packed[first : first + rows], pairs, rows, self.in_features
+        )
+
+
+# output rows of W dequantized at once in a backward pass: 64 MiB of fp32 at 2048 inputs (a
+# 248k-token lm_head whole would be 1.9 GiB)
+BACKWARD_ROWS = 8192
 
 
 class _Int4Product(torch.autograd.Function):
     """y = x W^T through the int4 kernel, differentiable in x (W is frozen): the backward
-    multiplies by W dequantized for that call into a scratch matrix, freed after it, so
-    training through an int4 base keeps no float copy of its weights. Only x is saved."""
+    multiplies by W dequantized for that call, BACKWARD_ROWS output rows at a time, into a
+    scratch matrix freed after it, so training through an int4 base keeps no float copy of
+    its weights. Only x is saved."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
@@ -98,8 +112,13 @@ class _Int4Product(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         (x,) = ctx.saved_tensors
-        w = ctx.linear.dequantized()  # [N, K]
-        return (dy.float() @ w).to(x.dtype), None
+        lin, dy = ctx.linear, dy.float()
+        dx = None
+        for first in range(0, lin.out_features, BACKWARD_ROWS):
+            rows = min(BACKWARD_ROWS, lin.out_features - first)
+            part = dy[:, first : first + rows] @ lin.dequantized_rows(first, rows)  # [R, K]
+            dx = part if dx is None else dx.add_(part)
+        return dx.to(x.dtype), None
 
 
 class Int4Embedding(nn.Module):

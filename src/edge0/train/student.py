@@ -37,6 +37,7 @@ from edge0.prerouter.head import Prerouter
 from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.prerouter.student import TeacherForcedRouting, prediction_mask
 from edge0.train import common, distributed, int4_base
+from edge0.util import memory
 
 BASES = ("int4", "dequantized")
 
@@ -206,6 +207,7 @@ def load_student(
                 "the int4 base computes with the CPU's int4 kernels; on a GPU use the "
                 "dequantized base (--base dequantized)"
             )
+        memory.map_large_allocations()  # the backward's scratch goes back when freed
         opts = replace(options or EngineOptions(), top_k=top_k, no_prerouter=True, no_lora=True)
         engine = load_engine(model_dir, opts)
         model, k = engine.model, engine.top_k
@@ -355,6 +357,7 @@ def train_lora(
             loss = loss + part_loss.detach().cpu()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        memory.release_freed()  # the step's freed scratch back to the system
         step += 1
         value = distributed.mean(loss.detach(), ranks)  # the whole batch's loss
         runlog.add(step=step, loss=round(value, 5), elapsed_s=round(time.perf_counter() - t0, 1))
