@@ -22,17 +22,16 @@ from pathlib import Path
 
 import torch
 
-from edge0 import modeldir
 from edge0.engine.sampling import SamplingParams
 from edge0.models import lora
 from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common, distributed
 from edge0.train.student import (
     base_options,
+    finish,
     load_student,
     load_teacher,
     sample,
-    step_seconds,
     student_base,
     train_lora,
 )
@@ -175,15 +174,7 @@ def train_opd(
         "teacher_topk": str(cfg.teacher_topk),
         "student_base": base,
     }
-    if ranks.main:
-        lora.save(student.model, out, meta)
-        modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
-    ranks.barrier()
-    student.close()
     return {
-        "steps": cfg.steps,
-        "final_loss": runlog.entries[-1]["loss"],
-        "base": base,
-        "step_s": step_seconds(runlog),
+        **finish(student, model_dir, out, meta, runlog, base, ranks),
         **{k: round(v, 1) for k, v in spent.items()},
     }

@@ -22,17 +22,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from edge0 import modeldir
 from edge0.engine.sampling import SamplingParams
-from edge0.models import lora
 from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common, distributed
 from edge0.train.student import (
     base_options,
+    finish,
     load_student,
     load_teacher,
     sample,
-    step_seconds,
     student_base,
     teacher_parts,
     train_lora,
@@ -247,16 +245,8 @@ def train_sft(
         "source": "teacher cache" if cache is not None else cfg.source,
         "student_base": base,
     }
-    if ranks.main:
-        lora.save(student.model, out, meta)
-        modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
-    ranks.barrier()
-    student.close()
     return {
-        "steps": cfg.steps,
-        "final_loss": runlog.entries[-1]["loss"],
-        "base": base,
-        "step_s": step_seconds(runlog),
+        **finish(student, model_dir, out, meta, runlog, base, ranks),
         "samples": None if tokens is None else tokens.shape[0],
         "cache_windows": None if cache is None else cache.windows,
     }

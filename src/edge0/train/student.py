@@ -378,3 +378,28 @@ def step_seconds(runlog: common.RunLog) -> float:
     times = [e["elapsed_s"] for e in runlog.entries]
     gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
     return float(sorted(gaps)[len(gaps) // 2]) if gaps else 0.0
+
+
+def finish(
+    student: Student,
+    model_dir: Path,
+    out: Path,
+    meta: dict,
+    runlog: common.RunLog,
+    base: str,
+    ranks: distributed.Ranks,
+) -> dict:
+    """End of phase 2 or 3: rank 0 writes the adapter with its metadata and records it in
+    the model's edge0.json; every rank waits for that and closes its student. Returns what
+    both phases report: steps, final loss, the base and seconds a step."""
+    if ranks.main:
+        lora.save(student.model, out, meta)
+        modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
+    ranks.barrier()
+    student.close()
+    return {
+        "steps": runlog.entries[-1]["step"],
+        "final_loss": runlog.entries[-1]["loss"],
+        "base": base,
+        "step_s": step_seconds(runlog),
+    }
