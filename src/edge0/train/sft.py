@@ -24,14 +24,14 @@ from tqdm import tqdm
 
 from edge0.engine.sampling import SamplingParams
 from edge0.text.tokenizer import load_tokenizer
-from edge0.train import common, distributed
+from edge0.train import common
 from edge0.train.student import (
     base_options,
     finish,
     load_student,
     load_teacher,
+    placement,
     sample,
-    student_base,
     teacher_parts,
     train_lora,
 )
@@ -148,13 +148,7 @@ def train_sft(
     model_dir, out = Path(model_dir), Path(out)
     run = out.with_name(out.name + ".run")
     run.mkdir(parents=True, exist_ok=True)
-    device = common.device_for()
-    base = student_base(cfg.base, device)
-    if base == "int4":
-        device = torch.device("cpu")
-    ranks = distributed.join(device.type)
-    device = distributed.device(ranks, device)
-    share = ranks.share(torch.empty(cfg.batch)).shape[0]  # this rank's rows of each batch
+    device, base, ranks, share = placement(cfg.base, cfg.batch)
     progress = progress and ranks.main
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)

@@ -95,6 +95,18 @@ def student_base(base: str, device: torch.device) -> str:
     return base
 
 
+def placement(base: str, batch: int) -> tuple[torch.device, str, distributed.Ranks, int]:
+    """Where phase 2 or 3 runs: (the device, the student's base with "auto" settled, this
+    process's rank under torchrun, its rows of each global batch of `batch`)."""
+    device = common.device_for()
+    base = student_base(base, device)
+    if base == "int4":
+        device = torch.device("cpu")
+    ranks = distributed.join(device.type)
+    share = ranks.share(torch.empty(batch)).shape[0]
+    return distributed.device(ranks, device), base, ranks, share
+
+
 def base_options(
     process_budget: int | None, rows: int, length: int, dtype=torch.float32
 ) -> EngineOptions:
