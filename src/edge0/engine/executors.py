@@ -144,7 +144,7 @@ def rows_together(
     executor computes alone, bit for bit (a backend's rows compute what its token does).
     Where every row is gate-routed on the pool's one requesting thread and every expert is
     loaded, they are used unpinned (ExpertPool.peek), as one such row's own step uses them.
-    The places are grouped in Python: B * K of them cost less so than a prefill's _Slots."""
+    The places are grouped in Python: B * K of them cost less so than a prefill's Slots."""
     routed = indices.tolist()
     k = len(routed[0])
     places: dict[int, list[int]] = {}
@@ -244,7 +244,7 @@ class WholeLayerExecutor:
         todo = [e for e in needed if e not in by_expert]
         held = [by_expert[e] for e in needed if e in by_expert]
         self.plan.read_ahead(self.layer, reserve=len(todo))
-        slots = _Slots(indices)
+        slots = Slots(indices)
         while held or todo:
             room = max(1, self.pool.available())
             wave, todo = todo[:room], todo[room:]
@@ -264,7 +264,7 @@ class WholeLayerExecutor:
             done, _ = wait_futures(list(pending), timeout=0, return_when=FIRST_COMPLETED)
             self._compute_rows(x, [pending.pop(fut) for fut in done], out, slots)
 
-    def _compute_rows(self, x, entries: list[Entry], out, slots: _Slots) -> None:
+    def _compute_rows(self, x, entries: list[Entry], out, slots: Slots) -> None:
         """The landed experts' tokens through ops.rows, written to their (token, slot) places
         in out; an expert with many tokens through ops.dense."""
         flat = out.view(-1, out.shape[-1])  # [T * K, D]: place t * K + k
@@ -280,7 +280,7 @@ class WholeLayerExecutor:
             flat[torch.cat(places)] = self.ops.rows(x, groups).to(out.dtype)
 
 
-class _Slots:
+class Slots:
     """Where each expert sits in a forward's routing indices [T, K]: its places t * K + k,
     ascending, from one stable sort, and their tokens t."""
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from edge0.engine.executors import PrefillPlan, WholeLayerExecutor
+from edge0.engine.executors import PrefillPlan, Slots, WholeLayerExecutor
 
 
 def swiglu_input_grad(
@@ -63,14 +63,10 @@ class GradExperts:
 
     def input_grad(self, x: torch.Tensor, indices: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
         """dx [T, D] for the gradient dy [T, K, D] of values(x, indices)."""
-        t, k = indices.shape
-        flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        places = dict(zip(range(self.num_experts), order.split(counts), strict=True))
-        rows = dy.reshape(t * k, -1).float()
+        slots = Slots(indices)  # each expert's places t * K + k and tokens t
+        rows = dy.reshape(-1, dy.shape[-1]).float()
         dx = torch.zeros(x.shape, dtype=torch.float32)
-        todo = [e for e in range(self.num_experts) if counts[e]]
+        todo = torch.unique(indices).tolist()  # ascending
         layout = self.pool.layout
         while todo:
             room = max(1, self.pool.available())
@@ -78,8 +74,7 @@ class GradExperts:
             entries = self.pool.request(self.layer, wave)
             try:
                 for e, tensors in zip(wave, self.pool.wait(entries), strict=True):
-                    at = places[e]
-                    tokens = at // k
+                    at, tokens = slots.places(e), slots.tokens(e)
                     w13, w2 = layout.dequantize(tensors)  # fp32 scratch, this expert's only
                     g = swiglu_input_grad(x[tokens].float(), w13, w2, rows[at])
                     dx.index_add_(0, tokens, g)
