@@ -4,6 +4,7 @@ table, parsed here and run by edge0.train and edge0.train.evaluate."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from edge0 import modeldir
@@ -48,6 +49,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     cfg = config_from_args(HeadsConfig, args, train_tokens="tokens")
     out = args.out or args.model_dir / modeldir.PREROUTER_FILE
     report = train_heads(args.model_dir, args.data, out, cfg, progress=not args.quiet)
+    if _other_rank():
+        return 0
     print(
         f"wrote {out} (K={report['K']}); expert pool "
         f"{memory.format_bytes(report['pool_bytes'])} of "
@@ -104,6 +107,8 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
             heads=args.prerouter,
             progress=not args.quiet,
         )
+    if _other_rank():
+        return 0
     seen = "fresh corpus windows" if r["samples"] is None else f"{r['samples']} teacher samples"
     if r["cache_windows"] is not None:
         seen = f"the teacher cache's {r['cache_windows']} windows"
@@ -115,11 +120,16 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _other_rank() -> bool:
+    """Under torchrun, a rank other than 0: rank 0 alone prints the run's summary."""
+    return int(os.environ.get("RANK", "0")) != 0
+
+
 def _print_cost(r: dict, peaks) -> None:
     print(
         f"{r['base']} base: {r['step_s']:.2f} s a step; peak anonymous "
         f"{memory.format_bytes(peaks.peak_anon)}, file-backed "
-        f"{memory.format_bytes(peaks.peak_file)} (this process)"
+        f"{memory.format_bytes(peaks.peak_file)} (this process; rank 0's under torchrun)"
     )
 
 
@@ -141,11 +151,15 @@ def cmd_train_opd(args: argparse.Namespace) -> int:
             heads=args.prerouter,
             progress=not args.quiet,
         )
+    if _other_rank():
+        return 0
     print(
         f"wrote {out}: {r['steps']} on-policy steps, final loss {r['final_loss']:.5f}; "
         f"log in {out}.run/log.json\n"
         f"time: sampling {r['sample_s']:.1f} s, scoring {r['score_s']:.1f} s, training "
-        f"{r['train_s']:.1f} s (the steps this process ran)"
+        f"{r['train_s']:.1f} s (the steps this process ran"
+        + (f"; {r['rounds']} rounds, the teacher loaded for each" if r["rounds"] else "")
+        + ")"
     )
     _print_cost(r, peaks)
     return 0
@@ -276,6 +290,13 @@ def add_train_parsers(sub) -> None:
         "large model in a small budget)",
     )
     he.add_argument("--epochs", type=int, default=6)
+    he.add_argument(
+        "--batch",
+        type=int,
+        default=512,
+        help="rows of collected data a step (the effective batch: under torchrun each of N "
+        "ranks takes batch / N of its own)",
+    )
     he.add_argument("--lr", type=float, default=1e-3)
     he.add_argument("--seed", type=int, default=0)
     he.add_argument("--quiet", action="store_true")
@@ -410,6 +431,16 @@ def add_train_parsers(sub) -> None:
             p.add_argument("--steps", type=int, default=100)
             p.add_argument("--lr", type=float, default=3e-4)
             p.add_argument("--teacher-topk", type=int, default=16)
+            p.add_argument(
+                "--round-steps",
+                type=int,
+                default=0,
+                metavar="R",
+                help="work in rounds of R steps: the student samples them all, the teacher is "
+                "loaded only to score them (into the run folder) and the student trains on "
+                "them; the teacher is then not in memory while the student samples or trains "
+                "(default 0: sample, score and train every step with the teacher loaded)",
+            )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

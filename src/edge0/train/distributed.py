@@ -1,11 +1,11 @@
 """Training on several processes: torch.distributed as torchrun launches it.
 
-`torchrun --nproc_per_node N -m edge0 train sft|opd ...` (and `--nnodes` across machines)
+`torchrun --nproc_per_node N -m edge0 train heads|sft|opd ...` (and `--nnodes` across machines)
 starts N copies of the command; torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT) makes them one process group, on gloo for the CPU and NCCL for
 CUDA (each rank on GPU LOCAL_RANK). Without that environment a run is one rank of one.
 
-What the phases do with it (student.train_lora):
+What phases 2 and 3 do with it (student.train_lora; phase 1: train/heads.py):
   - the LoRA's parameters are wrapped in DistributedDataParallel: rank 0's initial adapter
     is broadcast, and every backward pass averages the gradients over the ranks
   - every rank draws the same global batch of `--batch` sequences (the effective batch)
@@ -91,6 +91,26 @@ def mean(value: torch.Tensor, ranks: Ranks) -> float:
         total = total.cuda()
     dist.all_reduce(total)
     return total.item() / ranks.world
+
+
+def total(values: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """A per-rank tensor summed over the ranks."""
+    if ranks.world == 1:
+        return values
+    out = values.detach().clone()
+    if dist.get_backend() == "nccl":
+        out = out.cuda()
+    dist.all_reduce(out)
+    return out.cpu()
+
+
+def gather(value, ranks: Ranks) -> list:
+    """Every rank's `value` (any picklable object), in rank order, on every rank."""
+    if ranks.world == 1:
+        return [value]
+    out = [None] * ranks.world
+    dist.all_gather_object(out, value)
+    return out
 
 
 def device(ranks: Ranks, wanted: torch.device) -> torch.device:

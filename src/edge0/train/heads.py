@@ -11,6 +11,14 @@ to a constant), so a head learns to imitate the next layer's router, not to fit 
 
 Reported per layer on held-out text: top-K recall |topK(head) ∩ topK(router)| / K, for the
 trained heads and for the warm start (the consumer's router applied to the owner's state).
+
+Under torchrun (`torchrun --nproc_per_node N -m edge0 train heads ...`, train/distributed.py)
+every rank draws the same windows and routes its own contiguous share of them (the windows
+are rounded up to a multiple of N), into its own files under `RUN/rank<r>/`. Each step every
+rank takes batch / N rows of its own data, and DDP averages the heads' gradients: the
+effective batch is `--batch`. Held-out recall is summed over the ranks' shares. Rank 0 writes
+the checkpoints (with every rank's order generator) and the heads; every rank resumes from
+them.
 Shape legend: N tokens, D hidden, E experts, K served experts, B windows, T window length.
 """
 
@@ -36,7 +44,7 @@ from edge0.models.base import Forward
 from edge0.models.routing import topk_onehot
 from edge0.prerouter.head import DEFAULT_WIDTH, Prerouter, Wiring, features
 from edge0.text.tokenizer import load_tokenizer
-from edge0.train import common
+from edge0.train import common, distributed
 from edge0.util import memory
 
 log = logging.getLogger(__name__)
@@ -162,8 +170,15 @@ def recall(pred: torch.Tensor, target: torch.Tensor, k: int) -> float:
     return float(hits.mean() / k)
 
 
-def evaluate(pre: Prerouter, data: Features, k: int, chunk: int = 4096) -> dict[int, float]:
-    """Held-out top-K recall per consumer, `chunk` rows at a time."""
+def evaluate(
+    pre: Prerouter,
+    data: Features,
+    k: int,
+    chunk: int = 4096,
+    ranks: distributed.Ranks | None = None,
+) -> dict[int, float]:
+    """Held-out top-K recall per consumer, `chunk` rows at a time (over every rank's share
+    of the held-out rows where there are several ranks)."""
     hits = dict.fromkeys(pre.wiring.consumers, 0.0)
     with torch.no_grad():
         for i in range(0, data.rows, chunk):
@@ -171,13 +186,20 @@ def evaluate(pre: Prerouter, data: Features, k: int, chunk: int = 4096) -> dict[
                 pred = pre.head(o)(data.feats[o][i : i + chunk].float())
                 target = data.targets[c][i : i + chunk]
                 hits[c] += recall(pred, target, k) * pred.shape[0]
-    return {c: h / data.rows for c, h in hits.items()}
+    consumers = list(hits)
+    totals = torch.tensor([hits[c] for c in consumers] + [data.rows], dtype=torch.float64)
+    totals = distributed.total(totals, ranks or distributed.Ranks())
+    return {c: float(totals[i] / totals[-1]) for i, c in enumerate(consumers)}
 
 
 def train_heads(
     model_dir: Path, data: list[str], out: Path, cfg: HeadsConfig, progress: bool = True
 ) -> dict:
     model_dir, out = Path(model_dir), Path(out)
+    ranks = distributed.join("cpu")
+    if cfg.batch % ranks.world:
+        raise ValueError(f"--batch ({cfg.batch}) must be a multiple of the ranks ({ranks.world})")
+    progress = progress and ranks.main
     run = out.with_name(out.name + ".run")
     run.mkdir(parents=True, exist_ok=True)
     options = EngineOptions(
@@ -197,7 +219,7 @@ def train_heads(
         try:
             k, config, plan = engine.top_k, engine.config, engine.plan
             wiring = Wiring.default(engine.model.moe_layers, cfg.start_layer)
-            train, heldout, data_hash = _collected(engine, data, run, wiring, cfg, progress)
+            train, heldout, data_hash = _collected(engine, data, run, wiring, cfg, progress, ranks)
             # the warm start's weights; the model and its pool are not needed to train
             routers = {
                 c: engine.model.moe_block(c).gate.weight.detach().clone() for c in wiring.consumers
@@ -205,7 +227,7 @@ def train_heads(
         finally:
             engine.close()
             del engine
-        pre, report = _train(train, heldout, routers, wiring, k, config, cfg, run, progress)
+        pre, report = _train(train, heldout, routers, wiring, k, config, cfg, run, progress, ranks)
         meta = {
             "model": model_dir.name,
             "base_hash": modeldir.base_hash(model_dir),
@@ -214,20 +236,34 @@ def train_heads(
             "phase": "1",
             "seed": str(cfg.seed),
         }
-        pre.save(out, meta)
-        modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
+        if ranks.main:
+            pre.save(out, meta)
+            modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
+        ranks.barrier()
     report["pool_bytes"], report["experts_bytes"] = plan.pool_bytes, plan.experts_bytes
     report["peak_anon_bytes"], report["peak_file_bytes"] = peaks.peak_anon, peaks.peak_file
-    (run / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    report["ranks"] = ranks.world
+    if ranks.main:
+        (run / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
 def _collected(
-    engine, data: list[str], run: Path, wiring: Wiring, cfg: HeadsConfig, progress: bool
+    engine,
+    data: list[str],
+    run: Path,
+    wiring: Wiring,
+    cfg: HeadsConfig,
+    progress: bool,
+    ranks: distributed.Ranks,
 ) -> tuple[Features, Features, str]:
     """(train, held-out, data hash): collected now, or mapped from an earlier run of the same
-    data and settings (features.json is written once both are complete)."""
+    data and settings (features.json is written once both are complete). On several ranks,
+    this rank's share of the windows, in RUN/rank<r>/."""
     e, d = engine.config.num_experts, engine.config.hidden_size
+    if ranks.world > 1:
+        run = run / f"rank{ranks.rank}"
+        run.mkdir(exist_ok=True)
     done = run / "features.json"
     settings = {
         "data": list(data),
@@ -237,6 +273,7 @@ def _collected(
         "heldout_tokens": cfg.heldout_tokens,
         "seq_len": cfg.seq_len,
         "seed": cfg.seed,
+        "ranks": ranks.world,
     }
     if done.exists():
         record = json.loads(done.read_text())
@@ -257,10 +294,11 @@ def _collected(
         stream, held, held_hash = stream[:cut], stream[cut:], train_hash + ":tail"
     # windows of seq_len tokens give seq_len - 1 rows each: enough of them for at least the
     # tokens asked for (the shipped heads' 1 M once gave 996,030)
-    n_train = max(1, math.ceil(cfg.train_tokens / (cfg.seq_len - 1)))
-    n_held = max(1, math.ceil(cfg.heldout_tokens / (cfg.seq_len - 1)))
-    train_w = common.random_windows(stream, n_train, cfg.seq_len - 1, gen)
-    held_w = common.fixed_windows(held, n_held, cfg.seq_len - 1)
+    # (a multiple of the ranks, which each route an equal share)
+    n_train = _windows(cfg.train_tokens, cfg.seq_len, ranks.world)
+    n_held = _windows(cfg.heldout_tokens, cfg.seq_len, ranks.world)
+    train_w = ranks.share(common.random_windows(stream, n_train, cfg.seq_len - 1, gen))
+    held_w = ranks.share(common.fixed_windows(held, n_held, cfg.seq_len - 1))
     per = cfg.windows_per_forward
     train = collect(engine, train_w, wiring, run / "train", progress, "routing features", per)
     heldout = collect(engine, held_w, wiring, run / "heldout", progress, "held-out features", per)
@@ -275,6 +313,13 @@ def _collected(
     return train, heldout, digest
 
 
+def _windows(tokens: int, seq_len: int, world: int) -> int:
+    """Windows of seq_len tokens for at least `tokens` rows, rounded up to a multiple of the
+    ranks."""
+    n = max(1, math.ceil(tokens / (seq_len - 1)))
+    return math.ceil(n / world) * world
+
+
 def _train(
     train: Features,
     heldout: Features,
@@ -285,24 +330,49 @@ def _train(
     cfg: HeadsConfig,
     run: Path,
     progress: bool,
+    ranks: distributed.Ranks,
 ) -> tuple[Prerouter, dict]:
-    """Train the heads on collected data: the trained heads and the recall report."""
+    """Train the heads on collected data: the trained heads and the recall report. On
+    several ranks each takes its share of every batch from its own data (whose row count is
+    every rank's: equal shares of windows of one length)."""
     # seeded again: a run that maps earlier features trains exactly as a fresh one
     gen = common.seed_everything(cfg.seed)
+    if ranks.rank:  # each rank orders its own rows
+        gen.manual_seed(cfg.seed + 7919 * ranks.rank)
     pre = Prerouter(wiring, mcfg.hidden_size, mcfg.num_experts, cfg.width)
     pre.warm_start(routers, seed=cfg.seed)
-    warm = evaluate(pre, heldout, k)
-    opt = torch.optim.AdamW(pre.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    runlog = common.RunLog.resume(run / "log.json", common.config_dict(cfg))
+    warm = evaluate(pre, heldout, k, ranks=ranks)
+    params = list(pre.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    runlog = common.RunLog.resume(
+        run / "log.json", {**common.config_dict(cfg), "ranks": ranks.world}
+    )
     epoch = 0
     state = common.load_state(run / "state.pt")
     if state is not None:
+        gens = state["extra"].get("gens", [state["gen"]])
+        if len(gens) != ranks.world:
+            raise ValueError(
+                f"{run / 'state.pt'} was written by a run of {len(gens)} rank(s), not "
+                f"{ranks.world}: resume it with as many, or remove {run} to start again"
+            )
         pre.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["gen"])
+        gen.set_state(gens[ranks.rank])
         epoch = state["step"]
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        loss = 0.0
+        for c, o in wiring.owner_of.items():
+            logp = F.log_softmax(pre.head(o)(train.feats[o][idx].float()), dim=-1)
+            target = torch.softmax(train.targets[c][idx], dim=-1)
+            loss = loss + -(target * logp).sum(-1).mean()
+        return loss
+
+    forward = distributed.wrap(params, batch_loss, ranks)  # DDP averages the gradients
     n = train.rows
-    steps_per_epoch = (n + cfg.batch - 1) // cfg.batch
+    share = cfg.batch // ranks.world
+    steps_per_epoch = (n + share - 1) // share
     total = cfg.epochs * steps_per_epoch
     bar = tqdm(
         total=total,
@@ -320,29 +390,30 @@ def _train(
                 group["lr"] = common.cosine_lr(
                     step, total, cfg.lr, steps_per_epoch // 2 + 1, cfg.lr / 10
                 )
-            idx = order[s * cfg.batch : (s + 1) * cfg.batch]
-            loss = 0.0
-            for c, o in wiring.owner_of.items():
-                logp = F.log_softmax(pre.head(o)(train.feats[o][idx].float()), dim=-1)
-                target = torch.softmax(train.targets[c][idx], dim=-1)
-                loss = loss + -(target * logp).sum(-1).mean()
+            loss = forward(order[s * share : (s + 1) * share])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item() / len(wiring.owner_of):.4f}")
         epoch += 1
-        held = evaluate(pre, heldout, k)
+        held = evaluate(pre, heldout, k, ranks=ranks)
+        value = distributed.mean(loss.detach(), ranks) / len(wiring.owner_of)
         runlog.add(
             epoch=epoch,
-            loss=round(loss.item() / len(wiring.owner_of), 5),
+            loss=round(value, 5),
             heldout_recall={str(c): round(r, 4) for c, r in held.items()},
             elapsed_s=round(time.perf_counter() - t0, 1),
         )
-        runlog.save()
-        common.save_state(run / "state.pt", epoch, pre.state_dict(), opt, gen)
+        gens = distributed.gather(gen.get_state(), ranks)
+        if ranks.main:
+            runlog.save()
+            common.save_state(
+                run / "state.pt", epoch, pre.state_dict(), opt, gen, extra={"gens": gens}
+            )
+        ranks.barrier()  # no rank runs ahead of a checkpoint it could resume from
     bar.close()
-    trained = evaluate(pre, heldout, k)
+    trained = evaluate(pre, heldout, k, ranks=ranks)
     report = {
         "K": k,
         "consumers": wiring.consumers,

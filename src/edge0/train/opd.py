@@ -11,16 +11,28 @@ carries the probability mass outside them:
 Reverse KL is mode-seeking: the student is not asked to cover all of the teacher's
 support, and the tail term keeps it from putting mass where the teacher puts little.
 The gradient flows through the prediction-routed student forward into the LoRA only.
+
+With `--round-steps R` the phase runs in rounds, so that the teacher is not in memory while
+the student samples and trains: the student samples the next R steps' sequences, the teacher
+is loaded, scores them into RUN/round-<r>[.rank<n>].safetensors (what the loss needs: per
+position the top-k ids, their log-probabilities and the log of the tail mass) and is closed
+again, then the student trains R steps from that file. A round's samples come from the
+student as it was at the round's start (R = 1 is the per-step loop's arithmetic). A resumed
+run reuses a finished round file and makes an unfinished one again from the checkpoint it
+resumes, which is the round's start.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from edge0.engine.sampling import SamplingParams
 from edge0.models import lora
@@ -35,6 +47,8 @@ from edge0.train.student import (
     sample,
     train_lora,
 )
+from edge0.train.teacher_cache import top_k_and_tail
+from edge0.util import memory
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +70,29 @@ class OPDConfig:
     base: str = "auto"  # the student's base: int4 (CPU), dequantized, auto (student_base)
     process_budget: int | None = None  # bytes for the whole process (int4 base)
     checkpoint: bool = True  # int4 base: recompute each decoder layer in the backward pass
+    round_steps: int = 0  # > 0: sample, score (teacher loaded for that alone), train in rounds
+
+
+TAIL_FLOOR = 1e-6  # the least probability a tail outcome is given
 
 
 def reverse_kl_topk_tail(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int
 ) -> torch.Tensor:
     """Mean over positions of KL(q || p) on the teacher's top-k tokens plus a tail outcome."""
+    return reverse_kl_scored(student_logits, *top_k_and_tail(teacher_logits, k))
+
+
+def reverse_kl_scored(
+    student_logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, tail: torch.Tensor
+) -> torch.Tensor:
+    """reverse_kl_topk_tail from the teacher's top-k ids [..., k], their log-probabilities
+    [..., k] and the log of its tail mass [...] (teacher_cache.top_k_and_tail)."""
     logq = torch.log_softmax(student_logits.float(), dim=-1)
-    logp = torch.log_softmax(teacher_logits.float(), dim=-1)
-    top = torch.topk(logp, k, dim=-1).indices
-    lq, lp = logq.gather(-1, top), logp.gather(-1, top)
-    q = lq.exp()
-    eps = 1e-6
-    q_tail = (1 - q.sum(-1)).clamp_min(eps)
-    p_tail = (1 - lp.exp().sum(-1)).clamp_min(eps)
-    kl = (q * (lq - lp)).sum(-1) + q_tail * (q_tail.log() - p_tail.log())
+    lq = logq.gather(-1, ids.long())
+    q_tail = (1 - lq.exp().sum(-1)).clamp_min(TAIL_FLOOR)
+    log_p_tail = tail.float().clamp_min(torch.log(torch.tensor(TAIL_FLOOR)))
+    kl = (lq.exp() * (lq - logprobs.float())).sum(-1) + q_tail * (q_tail.log() - log_p_tail)
     return kl.mean()
 
 
@@ -92,7 +114,11 @@ def train_opd(
     gen = common.seed_everything(cfg.seed)
     tok = load_tokenizer(model_dir)
     stream, data_hash = common.token_stream(data, "train", tok)
-    teacher = load_teacher(teacher_dir, device, rows=share, length=cfg.prompt_len + cfg.gen_len)
+    length = cfg.prompt_len + cfg.gen_len
+    rounds = cfg.round_steps > 0
+    # per step the teacher stays loaded, first, so that the student's plan counts it; in
+    # rounds it is loaded only to score each round
+    teacher = None if rounds else load_teacher(teacher_dir, device, rows=share, length=length)
     student = load_student(
         model_dir,
         top_k=cfg.top_k,
@@ -101,16 +127,18 @@ def train_opd(
         device=device,
         stage_width=cfg.stage_width,
         base=base,
-        options=base_options(cfg.process_budget, share, cfg.prompt_len + cfg.gen_len),
+        options=base_options(cfg.process_budget, share, length),
     )
     student.checkpoint = cfg.checkpoint
     runtime = student.runtime()
     sampling = SamplingParams(temperature=cfg.temperature)
     p = cfg.prompt_len
 
-    spent = {"sample_s": 0.0, "score_s": 0.0}  # this process's steps: sampling, scoring
+    # this process's time: sampling, scoring (loading the teacher included), rounds
+    spent = {"sample_s": 0.0, "score_s": 0.0, "rounds": 0}
 
-    def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def samples() -> torch.Tensor:
+        """This rank's sequences for `step`: corpus prompts continued by the student."""
         prompts = common.random_windows(stream, cfg.batch, p - 1, gen)  # the global batch
         prompts = ranks.share(prompts).to(device)
         # each rank samples its rows with its own generator, drawn from the shared one: the
@@ -124,18 +152,74 @@ def train_opd(
         seqs = sample(
             student.model, prompts, cfg.gen_len, sampling, own, runtime, student.executors
         )
-        t1 = time.perf_counter()
-        with torch.no_grad():
-            target = teacher(seqs)[:, p - 1 : -1]
-        spent["sample_s"] += t1 - t0
-        spent["score_s"] += time.perf_counter() - t1
+        spent["sample_s"] += time.perf_counter() - t0
         student.model.train()
-        return seqs, target
+        return seqs
 
-    def loss_fn(part: tuple[torch.Tensor, torch.Tensor], forward) -> torch.Tensor:
-        seqs, target = part
+    def scored(model, seqs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return top_k_and_tail(model(seqs)[:, p - 1 : -1], cfg.teacher_topk)
+
+    def batch_fn(step: int) -> tuple[torch.Tensor, ...]:
+        seqs = samples()
+        t0 = time.perf_counter()
+        ids, logprobs, tail = scored(teacher, seqs)
+        spent["score_s"] += time.perf_counter() - t0
+        return seqs, ids, logprobs, tail
+
+    held: dict = {}  # the round in memory: {"round": r, "tensors": [...]}
+
+    def round_fn(step: int) -> tuple[torch.Tensor, ...]:
+        r, at = divmod(step, cfg.round_steps)
+        if held.get("round") != r:
+            held["round"], held["tensors"] = r, _round(r, step)
+        return tuple(t[at * share : (at + 1) * share].to(device) for t in held["tensors"])
+
+    def _round(r: int, step: int) -> list[torch.Tensor]:
+        """Round r's sequences and their teacher scores (this rank's), made now or read."""
+        name = f"round-{r:05d}" + (f".rank{ranks.rank}" if ranks.world > 1 else "")
+        path = run / f"{name}.safetensors"
+        if not path.exists():
+            if step != r * cfg.round_steps:
+                raise RuntimeError(f"{path} is missing: a run resumed mid-round needs it")
+            todo = min(cfg.round_steps, cfg.steps - step)
+            seqs = [samples() for _ in range(todo)]
+            t0 = time.perf_counter()
+            teacher = load_teacher(teacher_dir, device, rows=share, length=length)
+            try:
+                parts = [scored(teacher, x) for x in seqs]
+            finally:
+                if hasattr(teacher, "close"):
+                    teacher.close()
+                del teacher
+                gc.collect()
+                memory.release_freed()
+            spent["score_s"] += time.perf_counter() - t0
+            ids, logprobs, tail = (torch.cat(t) for t in zip(*parts, strict=True))
+            tensors = {
+                "tokens": torch.cat(seqs).cpu(),
+                "ids": ids.to(torch.int32).cpu(),
+                "logprobs": logprobs.cpu(),
+                "tail": tail.cpu(),
+                # the shared generator after the round's sampling: a run resumed at the
+                # round's start that finds this file goes on from there
+                "generator": gen.get_state(),
+            }
+            tmp = path.with_suffix(".tmp")
+            save_file(tensors, str(tmp))
+            os.replace(tmp, path)
+            spent["rounds"] += 1
+            for old in run.glob(f"round-{r - 2:05d}*.safetensors"):  # two rounds are kept
+                old.unlink()
+        f = load_file(str(path))
+        if step == r * cfg.round_steps:
+            gen.set_state(f["generator"])
+        return [f["tokens"], f["ids"], f["logprobs"], f["tail"]]
+
+    def loss_fn(part: tuple[torch.Tensor, ...], forward) -> torch.Tensor:
+        seqs, ids, logprobs, tail = part
         logits = forward(seqs, p)[:, p - 1 : -1]
-        return reverse_kl_topk_tail(logits, target, cfg.teacher_topk)
+        return reverse_kl_scored(logits, ids, logprobs, tail)
 
     t_loop = time.perf_counter()
     runlog = train_lora(
@@ -147,7 +231,7 @@ def train_opd(
         warmup=max(1, cfg.steps // 10),
         save_every=cfg.save_every,
         gen=gen,
-        batch_fn=batch_fn,
+        batch_fn=round_fn if rounds else batch_fn,
         loss_fn=loss_fn,
         micro_batch=cfg.micro_batch,
         desc="opd",
@@ -155,6 +239,8 @@ def train_opd(
         ranks=ranks,
     )
     spent["train_s"] = time.perf_counter() - t_loop - spent["sample_s"] - spent["score_s"]
+    if teacher is not None and hasattr(teacher, "close"):
+        teacher.close()
     init_meta = lora.read(init).metadata
     meta = {
         "model": model_dir.name,
@@ -170,5 +256,5 @@ def train_opd(
     }
     return {
         **finish(student, model_dir, out, meta, runlog, base, ranks),
-        **{k: round(v, 1) for k, v in spent.items()},
+        **{k: round(v, 1) if isinstance(v, float) else v for k, v in spent.items()},
     }
