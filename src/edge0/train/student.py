@@ -386,10 +386,13 @@ def train_lora(
 
 
 def step_seconds(runlog: common.RunLog) -> float:
-    """Median seconds a step of this run took (its logged entries' elapsed times)."""
+    """Mean seconds a step of this run took (its logged entries' elapsed times; each process
+    that resumed the run counts from its own start). A mean, not a median: in rounds
+    (phase 3's --round-steps) a round's first step also samples and scores the round."""
     times = [e["elapsed_s"] for e in runlog.entries]
     gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
-    return float(sorted(gaps)[len(gaps) // 2]) if gaps else 0.0
+    gaps = [g if g >= 0 else b for g, b in zip(gaps, times, strict=True)]
+    return sum(gaps) / len(gaps) if gaps else 0.0
 
 
 def finish(
