@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from edge0.bench import profile
@@ -48,3 +50,27 @@ def test_the_parts_add_up_to_the_profiled_step(tmp_path):
         assert sum(parts.values()) >= r["step_ms"]
     assert r["op_calls_per_step"] > 0 and r["unprofiled_step_ms_median"] > 0
     assert "step / matmuls" in profile.report(r)
+
+
+def test_the_floor_counts_what_a_step_reads(tmp_path):
+    make_hf_model(tmp_path / "hf", scale=4.0)
+    convert(tmp_path / "hf", tmp_path / "e0", progress=False)
+    r = profile.measure(tmp_path / "e0", tokens=4, warmup=1, bandwidth_bytes=64 << 20)
+    cfg = json.loads((tmp_path / "e0" / "config.json").read_text())
+    manifest = json.loads((tmp_path / "e0" / "edge0.json").read_text())
+    parts = r["step_bytes"]
+    layers = cfg["num_hidden_layers"]
+    # K whole extents a MoE layer (every layer of this model is one)
+    assert r["top_k"] == cfg["num_experts_per_tok"]
+    assert parts["experts"] == layers * r["top_k"] * manifest["experts"]["extent_bytes"]
+    # bf16 keys and values of every position fed so far: the prompt and every step
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_position = layers * 2 * cfg["num_key_value_heads"] * head_dim * 2
+    assert parts["keys and values"] == r["context"] * per_position > 0
+    # the resident weights less the embedding table's other rows: under the floor's file
+    weights = (tmp_path / "e0" / "model.safetensors").stat().st_size
+    embedding = cfg["vocab_size"] * cfg["hidden_size"] // 2  # int4 codes at least
+    assert 0 < parts["resident weights"] < weights - embedding
+    assert r["floor_ms"] == pytest.approx(1e3 * sum(parts.values()) / r["read_bandwidth"])
+    assert r["read_bandwidth"] > 1e8
+    assert "x the floor" in profile.report(r)

@@ -20,7 +20,7 @@ import torch
 
 import edge0.engine.core as engine_module
 import edge0.server.worker as worker_module
-from edge0 import builtin
+from edge0 import builtin, native
 from edge0.bench.serving import stream_chat
 from edge0.cli.args import with_flags
 from edge0.convert import convert
@@ -890,3 +890,46 @@ def test_eight_concurrent_requests_are_not_held_behind_a_long_one(server):
     assert all(f <= b for f, b in zip(firsts, bounds, strict=True)), (firsts, bounds)
     assert len(long["gaps"]) + 1 > 100  # it ran long: what the others had to share the thread with
     assert max(firsts) < long["total_s"] / 4  # they did not wait for it
+
+
+@pytest.mark.parametrize("name", ["builtin", "int4 floor"])
+def test_with_int8_activations_a_row_stepped_with_others_uses_its_own_kernel(tmp_path, name):
+    """With --int4-activations int8 a batched step's rows go through the int8 kernels, the
+    attention projections' (of a model whose floor is int4) as well as the experts', as each
+    row's step alone does: one row is its own step bit for bit, and with three rows (the
+    router, the LM head and the dense parts as matmuls over 3 rows) every logit stays within
+    one int8 step (2^-7) of the largest."""
+    path = builtin.model_dir()
+    if name == "int4 floor":
+        make_checkpoint(tmp_path / "hf", "mixtral")
+        convert(tmp_path / "hf", tmp_path / "e0", progress=False)  # int4 projections
+        path = tmp_path / "e0"
+    opts = EngineOptions(io_mode="buffered", max_active=4, max_context=256, int4_activations="int8")
+    engine = load_engine(path, opts)
+    try:
+        if name == "int4 floor":  # the layer op serves its int4 projections
+            assert engine.layers and all(
+                n.rows_kernel[1] >= native.INT8 for n in engine.layers.values()
+            )
+        tok = engine.tokenizer
+        prompts = [tok.encode(t) for t in ("def add(a, b):", "import os\nimport sys", "class A")]
+        for rows in (1, 3):
+            batched = [engine.new_request() for _ in prompts[:rows]]
+            alone = [engine.new_request() for _ in prompts[:rows]]
+            for a, b, ids in zip(batched, alone, prompts, strict=False):
+                engine.prefill(a, ids)
+                engine.prefill(b, ids)
+            tokens = [5, 6, 7][:rows]
+            for _ in range(6):
+                together = engine.step_rows(batched, tokens)
+                solo = [engine.step(req, t) for req, t in zip(alone, tokens, strict=True)]
+                for got, want in zip(together, solo, strict=True):
+                    if rows == 1:
+                        assert torch.equal(got, want)
+                    assert float((got - want).abs().max() / want.abs().max()) <= 2**-7
+                tokens = [int(s.argmax()) for s in solo]
+            for req in batched + alone:
+                req.release()
+        assert engine.pool.available() == engine.pool.num_slots
+    finally:
+        engine.close()

@@ -16,10 +16,17 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from edge0.engine.load import load_engine
 from edge0.engine.options import EngineOptions
+from edge0.models.experts import ResidentExperts
+from edge0.models.int4 import Int4Embedding
+from edge0.models.layers import RotaryEmbedding
+from edge0.util import memory
+
+BANDWIDTH_ARENA = 1 << 30  # bytes summed to measure the read bandwidth (well past any cache)
 
 # (category, matmul?, substrings of aten op names), first match wins
 CATEGORIES = [
@@ -62,7 +69,72 @@ def categorize(name: str) -> tuple[str, bool]:
     return OTHER_OPS, False
 
 
-def measure(model_dir: Path, tokens: int = 16, warmup: int = 4, options=None) -> dict:
+def read_bandwidth(nbytes: int = BANDWIDTH_ARENA, passes: int = 5) -> float:
+    """Bytes a second this process reads from memory with torch's threads: the best of
+    `passes` sums over an fp32 arena of `nbytes` (written first, so every page is mapped)."""
+    arena = torch.ones(nbytes // 4, dtype=torch.float32)
+    arena.sum()  # fault in and warm the threads
+    best = float("inf")
+    for _ in range(passes):
+        t = time.perf_counter()
+        arena.sum()
+        best = min(best, time.perf_counter() - t)
+    del arena
+    return nbytes / best
+
+
+def _tensor_bytes(tensors) -> int:
+    """Bytes of distinct tensors (tied weights counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def step_bytes(engine, cache) -> dict[str, int]:
+    """What one decode step of one row must read, by part: the K experts of every MoE layer
+    (whole extents: codes and scales), the resident weights (all but the tables a step
+    indexes one row of: the embedding and the rotary cache), the heads when the step runs
+    them, and the cache's keys and values at its current length (a recurrent layer: its
+    state)."""
+    indexed = (nn.Embedding, Int4Embedding, RotaryEmbedding)
+    model = engine.model
+    experts = {  # experts held in the model: counted as the K a step runs, below
+        id(t)
+        for m in model.modules()
+        if isinstance(m, ResidentExperts)
+        for t in (*m.parameters(), *m.buffers())
+    }
+    resident, rows = [], 0
+    for module in model.modules():
+        own = (*module.parameters(recurse=False), *module.buffers(recurse=False))
+        own = [t for t in own if id(t) not in experts]
+        if isinstance(module, indexed):
+            rows += sum(t[0].numel() * t.element_size() for t in own if t.dim() > 0)
+        else:
+            resident += own
+    heads = 0
+    if engine.prerouter is not None:
+        heads = engine.plan.floor.heads
+    k, layers = engine.top_k, len(engine.moe_layers)
+    return {
+        "experts": layers * k * engine.plan.extent_bytes,
+        "resident weights": _tensor_bytes(resident) + rows,
+        "heads": heads,
+        "keys and values": cache.touched_bytes(),
+    }
+
+
+def measure(
+    model_dir: Path,
+    tokens: int = 16,
+    warmup: int = 4,
+    options=None,
+    bandwidth_bytes: int = BANDWIDTH_ARENA,
+) -> dict:
     engine = load_engine(model_dir, options or EngineOptions(io_mode="buffered"))
     try:
         engine.preload_experts()
@@ -82,6 +154,8 @@ def measure(model_dir: Path, tokens: int = 16, warmup: int = 4, options=None) ->
                     t = time.perf_counter()
                     logits = engine.step(req, int(logits.argmax()))
                     steps.append(time.perf_counter() - t)
+            touched = step_bytes(engine, req.cache)
+        bandwidth = read_bandwidth(bandwidth_bytes)
         wall_ms = 1e3 * sum(steps) / tokens
         per_cat: dict[str, float] = {}
         matmul_ms = 0.0
@@ -108,6 +182,11 @@ def measure(model_dir: Path, tokens: int = 16, warmup: int = 4, options=None) ->
             "matmul_ms": matmul_ms,
             "op_calls_per_step": calls / tokens,  # aten and edge0 ops
             "categories_ms": dict(sorted(per_cat.items(), key=lambda kv: -kv[1])),
+            "top_k": engine.top_k,
+            "context": len(req.tokens),
+            "step_bytes": touched,
+            "read_bandwidth": bandwidth,  # bytes a second
+            "floor_ms": 1e3 * sum(touched.values()) / bandwidth,
         }
     finally:
         engine.close()
@@ -128,4 +207,22 @@ def report(r: dict) -> str:
     ]
     for name, ms in r["categories_ms"].items():
         lines.append(f"| {name} | {ms:.2f} | {ms / r['step_ms']:.0%} |")
+    total = sum(r["step_bytes"].values())
+    lines += [
+        "",
+        f"the floor: what a step at K={r['top_k']} must read, at {r['context']} tokens of "
+        f"context, over the read bandwidth measured here ({r['read_bandwidth'] / 1e9:.1f} GB/s)",
+        "",
+        "| part | bytes a step | ms at the bandwidth |",
+        "|---|---|---|",
+    ]
+    for name, n in r["step_bytes"].items():
+        ms = 1e3 * n / r["read_bandwidth"]
+        lines.append(f"| {name} | {memory.format_bytes(n)} | {ms:.2f} |")
+    step = r["unprofiled_step_ms_median"]
+    lines += [
+        f"| total | {memory.format_bytes(total)} | {r['floor_ms']:.2f} |",
+        "",
+        f"unprofiled step {step:.2f} ms = {step / r['floor_ms']:.2f}x the floor",
+    ]
     return "\n".join(lines)

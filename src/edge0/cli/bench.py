@@ -69,7 +69,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument(
         "--profile",
         action="store_true",
-        help="profile --tokens decode steps with every expert in memory: time per kind of op",
+        help="profile --tokens decode steps with every expert in memory (at --top-k): time per "
+        "kind of op, and the step against the floor of the bytes it must read over the "
+        "machine's measured read bandwidth",
     )
     b.add_argument(
         "--int4-activations",
@@ -164,7 +166,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.profile:
         from edge0.bench import profile
 
-        opts = EngineOptions(io_mode="buffered", int4_activations=args.int4_activations)
+        opts = EngineOptions(
+            io_mode="buffered",
+            int4_activations=args.int4_activations,
+            top_k=args.top_k[0] if args.top_k else None,
+        )
         row = profile.measure(model_path(args.model_dir), args.tokens, options=opts)
         print(profile.report(row))
         if args.json:

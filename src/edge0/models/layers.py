@@ -289,6 +289,18 @@ class KVCache:
                 "this cache was allocated for"
             )
 
+    def touched_bytes(self) -> int:
+        """Bytes a step of attention reads at the current lengths: every layer's filled keys
+        and values (their scales too when int8), and every recurrent layer's whole state."""
+        total = 0
+        for buffers in self._buffers():
+            for layer, t in enumerate(buffers):
+                if t is not None:
+                    per_position = t[:, :, :1].numel() * t.element_size()
+                    total += per_position * self.length[layer]
+        total += sum(t.numel() * t.element_size() for s in self._state if s for t in s)
+        return total
+
     def nbytes(self) -> int:
         tensors = [t for ts in self._buffers() for t in ts if t is not None]
         tensors += [t for s in self._state if s is not None for t in s]

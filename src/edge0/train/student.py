@@ -141,6 +141,7 @@ class EngineTeacher:
             no_lora=True,
             prefix_cache=0,
             preload=False,
+            int4_activations="bf16",  # the exact option: the teacher as near its model as edge0 is
         )
         self.engine = load_engine(path, options)
         self.model = self.engine.model
@@ -220,7 +221,15 @@ def load_student(
                 "dequantized base (--base dequantized)"
             )
         memory.map_large_allocations()  # the backward's scratch goes back when freed
-        opts = replace(options or EngineOptions(), top_k=top_k, no_prerouter=True, no_lora=True)
+        # its kernels take bf16 activations, the exact option: the backward's gradient (dy·W,
+        # train/int4_base.py) is that arithmetic's; serving's int8 is priced by `edge0 eval`
+        opts = replace(
+            options or EngineOptions(),
+            top_k=top_k,
+            no_prerouter=True,
+            no_lora=True,
+            int4_activations="bf16",
+        )
         engine = load_engine(model_dir, opts)
         model, k = engine.model, engine.top_k
     elif base == "dequantized":

@@ -18,10 +18,12 @@ neither is a forward of several tokens of one sequence: those take the module's 
 A batched decode step's rows (models/base.py RowsForward: a token of each of B requests, each
 with its own cache and position) go through the same op, the same operations on the B rows
 as the module path's forward of them (each row's attention over its own cache), its int4
-projections with the kernel that computes torch's (as the module path's do with int8
-activations too); their MoE block then routes and runs its experts for all rows
-as its own forward does (RowsForward's hooks), and its weighted sum and the residual are the
-module path's ATen ops: bit-identical to the module path's forward of those rows.
+projections with the kernel that computes torch's; their MoE block then routes and runs its
+experts for all rows as its own forward does (RowsForward's hooks), and its weighted sum and
+the residual are the module path's ATen ops: bit-identical to the module path's forward of
+those rows. With int8 activations the rows' int4 projections take the int8 kernel each row's
+step alone takes (the module path has no int8 kernel), so a row stepped with others is its
+own step up to the rounding of the matmuls over several rows.
 
 The engine hands these to decode forwards as `Forward.layers`; nothing is installed into the
 model.
@@ -167,7 +169,9 @@ class NativeLayer:
         softmax = layer.is_moe and type(block.selector) is SoftmaxTopK
         self.route = NativeRoute(block, router_topk, softmax_topk) if softmax else None
         self.layout, self.isa = native.kernel_args(int8)
-        self.rows_kernel = native.kernel_args(False)  # several rows: torch's int4 kernel's bits
+        # several rows: with int8 activations each row's own kernel, so that a row's step is
+        # its step alone; with bf16 torch's int4 kernel's bits, the module path's
+        self.rows_kernel = (self.layout, self.isa) if int8 else native.kernel_args(False)
         a = self.mixer = layer.mixer
         self.mlp, self.is_moe = block, layer.is_moe
         self.eps = a.q_norm.eps if a.qk_norm == "head" else 0.0
