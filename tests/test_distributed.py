@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tests.test_training import stdlib_slice
+from torch.distributed.tensor import DTensor
 
 from edge0 import builtin
 
@@ -49,6 +50,19 @@ def sft_command(setup, out: Path, nproc: int | None, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def kill_run(proc: subprocess.Popen, out: Path) -> None:
+    """SIGKILL a torchrun job as a crash would: torchrun and its workers, which it starts in
+    sessions of their own (so killing torchrun's process group would leave them running)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(out) in cmdline.read_bytes().decode(errors="replace"):
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # gone meanwhile
+
+
 def env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -76,22 +90,55 @@ def test_two_gloo_ranks_train_the_adapter_one_process_trains(setup):
     assert any(k.endswith("lora_B") and two[k].abs().max() > 1e-3 for k in two)
 
 
-def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_adapter(setup):
-    whole = trained(setup, "two", 2)
-    out = setup["tmp"] / "killed.safetensors"
+def killed_and_resumed(setup, name: str, *extra: str) -> tuple[dict, dict]:
+    """A two-rank sft run killed after a checkpoint, then run again: (its adapter, the
+    checkpoint it resumed from)."""
+    out = setup["tmp"] / f"{name}.safetensors"
     state = out.with_name(out.name + ".run") / "state.pt"
-    proc = subprocess.Popen(sft_command(setup, out, 2), env=env(), start_new_session=True)
+    proc = subprocess.Popen(sft_command(setup, out, 2, *extra), env=env(), start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    at = torch.load(state, weights_only=False)["step"]
-    assert 0 < at < STEPS and not out.exists()  # killed mid-run, after a checkpoint
-    subprocess.run(sft_command(setup, out, 2), check=True, env=env(), timeout=600)
-    resumed = load_file(out)
+        kill_run(proc, out)
+    checkpoint = torch.load(state, weights_only=False)
+    assert 0 < checkpoint["step"] < STEPS and not out.exists()  # killed mid-run, after one
+    subprocess.run(sft_command(setup, out, 2, *extra), check=True, env=env(), timeout=600)
+    return load_file(out), checkpoint
+
+
+def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_adapter(setup):
+    whole = trained(setup, "two", 2)
+    resumed, _ = killed_and_resumed(setup, "killed")
+    for k in whole:
+        assert torch.equal(resumed[k], whole[k]), k
+
+
+FSDP = ("--base", "dequantized", "--fsdp")
+
+
+def test_two_fsdp_ranks_train_the_adapter_one_process_trains(setup):
+    """--fsdp shards the dequantized base and the LoRA over the ranks (FSDP2): each rank
+    holds half of every weight, gathers a layer's whole while it computes, and steps its half
+    of the adapter. The adapter is one process's with the same micro-batches, bit for bit:
+    averaging two ranks' gradients by reduce-scatter adds what one process accumulates."""
+    one = trained(setup, "one-dequantized", None, "--base", "dequantized", "--micro-batch", "2")
+    two = trained(setup, "fsdp", 2, *FSDP)
+    assert one.keys() == two.keys() and one
+    for k in one:
+        assert torch.equal(two[k], one[k]), k
+    assert any(k.endswith("lora_B") and two[k].abs().max() > 1e-3 for k in two)
+
+
+def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_adapter(setup):
+    """Its checkpoints hold the whole adapter and AdamW state, gathered from both ranks;
+    each rank takes its shards of them again."""
+    whole = trained(setup, "fsdp", 2, *FSDP)
+    resumed, checkpoint = killed_and_resumed(setup, "fsdp-killed", *FSDP)
+    lora_keys = [k for k in checkpoint["model"] if ".lora_" in k]
+    assert lora_keys and all(not isinstance(v, DTensor) for v in checkpoint["model"].values())
+    assert set(checkpoint["optimizer"]["state"]) == set(lora_keys)  # keyed by name, whole
     for k in whole:
         assert torch.equal(resumed[k], whole[k]), k
 
@@ -175,8 +222,7 @@ def test_a_killed_two_rank_heads_run_resumes_to_the_uninterrupted_heads(setup):
         while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_run(proc, out)
     state_dict = torch.load(state, weights_only=False)
     assert 0 < state_dict["step"] < HEADS_EPOCHS and not out.exists()  # killed after epoch 1
     assert len(state_dict["extra"]["gens"]) == 2  # every rank's order, kept by rank 0

@@ -170,6 +170,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             io_mode="buffered",
             int4_activations=args.int4_activations,
             top_k=args.top_k[0] if args.top_k else None,
+            no_prerouter=True,  # every expert in the pool: the exact step, without the heads
         )
         row = profile.measure(model_path(args.model_dir), args.tokens, options=opts)
         print(profile.report(row))

@@ -381,6 +381,13 @@ def add_train_parsers(sub) -> None:
             help="int4 base: keep every layer's activations instead of recomputing each "
             "layer in the backward pass (faster, more memory)",
         )
+        p.add_argument(
+            "--fsdp",
+            action="store_true",
+            help="under torchrun, with --base dequantized: shard the base and the LoRA over "
+            "the ranks (FSDP2's fully_shard per decoder layer) instead of holding all of it "
+            "on each, for a base that fits N devices but not one",
+        )
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--quiet", action="store_true")
         p.set_defaults(func=fn)

@@ -126,7 +126,8 @@ def save_state(
     state = {
         "step": step,
         "model": model_state,
-        "optimizer": optimizer.state_dict(),
+        # an optimizer, or its state dict already taken (gathered from ranks)
+        "optimizer": optimizer if isinstance(optimizer, dict) else optimizer.state_dict(),
         "gen": None if gen is None else gen.get_state(),
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),

@@ -14,6 +14,14 @@ What phases 2 and 3 do with it (student.train_lora; phase 1: train/heads.py):
     whole batch does (up to the order of float sums)
   - rank 0 writes the checkpoints, the log and the adapter; every rank resumes from them
   - progress bars and logs are rank 0's only
+
+With `--fsdp` (the dequantized base only) the student is sharded instead of replicated:
+FSDP2's `fully_shard` on every decoder layer and on the model, over all ranks. Each rank
+then holds 1/N of every weight, the frozen base's and the LoRA's, and gathers a layer's
+whole weights only while that layer computes (forward, and again in the backward); the
+LoRA's gradients are reduce-scattered, and each rank's AdamW steps its shard. For a base
+that does not fit one device but fits N. Checkpoints hold the whole adapter and AdamW state
+(gathered to rank 0), and every rank takes its shard of them on resume.
 """
 
 from __future__ import annotations
@@ -25,7 +33,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp_state
+import torch.distributed.fsdp as fsdp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 
 @dataclass(frozen=True)
@@ -74,12 +85,77 @@ def join(device_type: str | None = None) -> Ranks:
     return ranks
 
 
-def no_sync(forward):
+def no_sync(forward, model: nn.Module | None = None):
     """A context in which backward passes keep their gradients on this rank (accumulation
-    before the synchronising pass), for a DDP-wrapped forward; nothing for a plain one."""
+    before the synchronising pass), for a DDP-wrapped forward or an FSDP-sharded model;
+    nothing for a plain one."""
     if isinstance(forward, nn.parallel.DistributedDataParallel):
         return forward.no_sync()
+    if sharded(model):
+        return _without_gradient_sync(model)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def sharded(model: nn.Module | None) -> bool:
+    """Whether `model` was sharded by shard() (FSDP2)."""
+    return model is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def shard(model: nn.Module, layers: list[nn.Module], ranks: Ranks, device: torch.device) -> None:
+    """FSDP2 over every rank: each of `layers` (the decoder layers) its own unit, the rest of
+    `model` (embeddings, final norm, LM head) the root's."""
+    mesh = init_device_mesh(device.type, (ranks.world,))
+    for layer in layers:
+        fsdp.fully_shard(layer, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """Within it a sharded model's parameters are whole on every rank (each FSDP unit
+    unsharded), to be read as a plain model's; every rank must enter it. Nothing for a
+    model that is not sharded."""
+    units = [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
+    for m in units:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+
+
+def full_state(model: nn.Module, optimizer, keep) -> tuple[dict, dict]:
+    """(the model's state entries whose names `keep` accepts, the optimizer's state) whole,
+    as checkpoints hold them; for a sharded model gathered from every rank (each must call
+    it; keyed by parameter name), else the plain state dicts."""
+    if not sharded(model):
+        state = {k: v for k, v in model.state_dict().items() if keep(k)}
+        return state, optimizer.state_dict()
+    options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = dcp_state.get_model_state_dict(model, options=options)
+    opt = dcp_state.get_optimizer_state_dict(model, optimizer, options=options)
+    return {k: v for k, v in state.items() if keep(k)}, opt
+
+
+def load_full_state(model: nn.Module, optimizer, state: dict, opt_state: dict) -> None:
+    """full_state()'s dicts back: into a sharded model each rank takes its shards."""
+    if not sharded(model):
+        model.load_state_dict(state, strict=False)
+        optimizer.load_state_dict(opt_state)
+        return
+    options = dcp_state.StateDictOptions(full_state_dict=True, strict=False)
+    dcp_state.set_model_state_dict(model, state, options=options)
+    dcp_state.set_optimizer_state_dict(model, optimizer, opt_state, options=options)
 
 
 def mean(value: torch.Tensor, ranks: Ranks) -> float:
@@ -134,9 +210,10 @@ class Trainables(nn.Module):
         return self._forward(*args)
 
 
-def wrap(params: list[nn.Parameter], forward, ranks: Ranks):
-    """forward(*args) as the step calls it: through DDP over `params` on several ranks."""
-    if ranks.world == 1:
+def wrap(params: list[nn.Parameter], forward, ranks: Ranks, model: nn.Module | None = None):
+    """forward(*args) as the step calls it: through DDP over `params` on several ranks (a
+    sharded model synchronises its own gradients)."""
+    if ranks.world == 1 or sharded(model):
         return forward
     module = Trainables(params, forward)
     ids = None if params[0].device.type == "cpu" else [params[0].device]

@@ -70,6 +70,7 @@ class OPDConfig:
     base: str = "auto"  # the student's base: int4 (CPU), dequantized, auto (student_base)
     process_budget: int | None = None  # bytes for the whole process (int4 base)
     checkpoint: bool = True  # int4 base: recompute each decoder layer in the backward pass
+    fsdp: bool = False  # dequantized base under torchrun: shard it over the ranks (FSDP2)
     round_steps: int = 0  # > 0: sample, score (teacher loaded for that alone), train in rounds
 
 
@@ -124,12 +125,15 @@ def train_opd(
         top_k=cfg.top_k,
         heads=heads,
         lora_file=init,
-        device=device,
+        # sharded: loaded in host memory, each rank's shards then moved to its device
+        device=torch.device("cpu") if cfg.fsdp else device,
         stage_width=cfg.stage_width,
         base=base,
         options=base_options(cfg.process_budget, share, length),
     )
     student.checkpoint = cfg.checkpoint
+    if cfg.fsdp:
+        student.shard(ranks, device)
     runtime = student.runtime()
     sampling = SamplingParams(temperature=cfg.temperature)
     p = cfg.prompt_len

@@ -75,6 +75,7 @@ class SFTConfig:
     base: str = "auto"  # the student's base: int4 (CPU), dequantized, auto (student_base)
     process_budget: int | None = None  # bytes for the whole process (int4 base)
     checkpoint: bool = True  # int4 base: recompute each decoder layer in the backward pass
+    fsdp: bool = False  # dequantized base under torchrun: shard it over the ranks (FSDP2)
 
 
 def teacher_dataset(
@@ -180,13 +181,16 @@ def train_sft(
         heads=heads,
         new_lora=(cfg.rank, cfg.alpha),
         seed=cfg.seed,
-        device=device,
+        # sharded: loaded in host memory, each rank's shards then moved to its device
+        device=torch.device("cpu") if cfg.fsdp else device,
         stage_width=cfg.stage_width,
         lora_routers=cfg.lora_routers,
         base=base,
         options=base_options(cfg.process_budget, share, p + gen_len),
     )
     student.checkpoint = cfg.checkpoint
+    if cfg.fsdp:
+        student.shard(ranks, device)
     student.model.train()
 
     def batch_fn(step: int) -> tuple[torch.Tensor, ...]:

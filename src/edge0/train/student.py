@@ -81,6 +81,23 @@ class Student:
         if self.engine is not None:
             self.engine.close()
 
+    def shard(self, ranks: distributed.Ranks, device: torch.device) -> None:
+        """Shard the dequantized base and the LoRA over the ranks (FSDP2, `--fsdp`:
+        train/distributed.py) instead of holding all of it on each. The student is loaded
+        in host memory (device=cpu) and each rank moves only its shards to `device`."""
+        if self.engine is not None:
+            raise ValueError(
+                "--fsdp shards the dequantized base (--base dequantized); the int4 base is "
+                "each rank's own engine, its experts streamed from disk"
+            )
+        if ranks.world == 1:  # nothing to shard over: the whole student on the device
+            self.model.to(device)
+        else:
+            lora_parameters(self.model)  # trainable before sharding: FSDP reduces their grads
+            distributed.shard(self.model, list(self.model.backbone.layers), ranks, device)
+        if self.prerouter is not None:
+            self.prerouter.to(device)
+
     def runtime(self) -> PrerouterRuntime | None:
         if self.prerouter is None:
             return None
@@ -347,14 +364,13 @@ def train_lora(
     micro_batch rows each."""
     ranks = ranks or distributed.Ranks()
     params = lora_parameters(student.model)
-    forward = distributed.wrap(params, student.forward, ranks)
+    forward = distributed.wrap(params, student.forward, ranks, student.model)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     runlog = common.RunLog.resume(run / "log.json", config)
     step = 0
     state = common.load_state(run / "state.pt")
     if state is not None:
-        student.model.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["optimizer"])
+        distributed.load_full_state(student.model, opt, state["model"], state["optimizer"])
         gen.set_state(state["gen"])
         step = state["step"]
     bar = tqdm(
@@ -372,7 +388,7 @@ def train_lora(
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             # DDP averages the gradients over the ranks in the last part's backward pass
-            with contextlib.nullcontext() if last else distributed.no_sync(forward):
+            with contextlib.nullcontext() if last else distributed.no_sync(forward, student.model):
                 part_loss = loss_fn(part, forward) * (part[0].shape[0] / rows)
                 part_loss.backward()
             loss = loss + part_loss.detach().cpu()
@@ -385,9 +401,12 @@ def train_lora(
         bar.update(1)
         bar.set_postfix(loss=f"{value:.4f}")
         if step % save_every == 0 or step == steps:
+            # (gathered from every rank when the student is sharded)
+            trainable, opt_state = distributed.full_state(
+                student.model, opt, lambda k: ".lora_" in k
+            )
             if ranks.main:
-                trainable = {k: v for k, v in student.model.state_dict().items() if ".lora_" in k}
-                common.save_state(run / "state.pt", step, trainable, opt, gen)
+                common.save_state(run / "state.pt", step, trainable, opt_state, gen)
                 runlog.save()
             ranks.barrier()  # no rank runs ahead of a checkpoint it could resume from
     bar.close()
@@ -416,9 +435,10 @@ def finish(
     """End of phase 2 or 3: rank 0 writes the adapter with its metadata and records it in
     the model's edge0.json; every rank waits for that and closes its student. Returns what
     both phases report: steps, final loss, the base and seconds a step."""
-    if ranks.main:
-        lora.save(student.model, out, meta)
-        modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
+    with distributed.gathered(student.model):  # a sharded student's adapter, whole
+        if ranks.main:
+            lora.save(student.model, out, meta)
+            modeldir.record_file(model_dir, out)  # edge0.json records the new bytes
     ranks.barrier()
     student.close()
     return {
