@@ -90,27 +90,31 @@ def test_two_gloo_ranks_train_the_adapter_one_process_trains(setup):
     assert any(k.endswith("lora_B") and two[k].abs().max() > 1e-3 for k in two)
 
 
-def killed_and_resumed(setup, name: str, *extra: str) -> tuple[dict, dict]:
-    """A two-rank sft run killed after a checkpoint, then run again: (its adapter, the
-    checkpoint it resumed from)."""
-    out = setup["tmp"] / f"{name}.safetensors"
+def killed_and_resumed(command, out: Path, last: int) -> tuple[dict, dict]:
+    """A two-rank run, `command(out)`, killed after its first checkpoint (of `last`), then
+    run again: (what it wrote, the checkpoint it resumed from)."""
     state = out.with_name(out.name + ".run") / "state.pt"
-    proc = subprocess.Popen(sft_command(setup, out, 2, *extra), env=env(), start_new_session=True)
+    proc = subprocess.Popen(command(out), env=env(), start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.02)
     finally:
         kill_run(proc, out)
     checkpoint = torch.load(state, weights_only=False)
-    assert 0 < checkpoint["step"] < STEPS and not out.exists()  # killed mid-run, after one
-    subprocess.run(sft_command(setup, out, 2, *extra), check=True, env=env(), timeout=600)
+    assert 0 < checkpoint["step"] < last and not out.exists()  # killed mid-run, after one
+    subprocess.run(command(out), check=True, env=env(), timeout=600)
     return load_file(out), checkpoint
+
+
+def sft_killed_and_resumed(setup, name: str, *extra: str) -> tuple[dict, dict]:
+    out = setup["tmp"] / f"{name}.safetensors"
+    return killed_and_resumed(lambda o: sft_command(setup, o, 2, *extra), out, STEPS)
 
 
 def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_adapter(setup):
     whole = trained(setup, "two", 2)
-    resumed, _ = killed_and_resumed(setup, "killed")
+    resumed, _ = sft_killed_and_resumed(setup, "killed")
     for k in whole:
         assert torch.equal(resumed[k], whole[k]), k
 
@@ -135,7 +139,7 @@ def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_adapter(setup):
     """Its checkpoints hold the whole adapter and AdamW state, gathered from both ranks;
     each rank takes its shards of them again."""
     whole = trained(setup, "fsdp", 2, *FSDP)
-    resumed, checkpoint = killed_and_resumed(setup, "fsdp-killed", *FSDP)
+    resumed, checkpoint = sft_killed_and_resumed(setup, "fsdp-killed", *FSDP)
     lora_keys = [k for k in checkpoint["model"] if ".lora_" in k]
     assert lora_keys and all(not isinstance(v, DTensor) for v in checkpoint["model"].values())
     assert set(checkpoint["optimizer"]["state"]) == set(lora_keys)  # keyed by name, whole
@@ -215,19 +219,8 @@ def test_two_ranks_train_heads_as_well_as_one_process(setup):
 def test_a_killed_two_rank_heads_run_resumes_to_the_uninterrupted_heads(setup):
     whole = load_file(heads_run(setup, "heads-two", 2).with_suffix(""))
     out = setup["tmp"] / "heads-killed.safetensors"
-    state = out.with_name(out.name + ".run") / "state.pt"
-    proc = subprocess.Popen(heads_command(setup, out, 2), env=env(), start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-    finally:
-        kill_run(proc, out)
-    state_dict = torch.load(state, weights_only=False)
-    assert 0 < state_dict["step"] < HEADS_EPOCHS and not out.exists()  # killed after epoch 1
-    assert len(state_dict["extra"]["gens"]) == 2  # every rank's order, kept by rank 0
-    subprocess.run(heads_command(setup, out, 2), check=True, env=env(), timeout=600)
-    resumed = load_file(out)
+    resumed, state = killed_and_resumed(lambda o: heads_command(setup, o, 2), out, HEADS_EPOCHS)
+    assert len(state["extra"]["gens"]) == 2  # every rank's order, kept by rank 0
     assert resumed.keys() == whole.keys() and whole
     for k in whole:
         assert torch.equal(resumed[k], whole[k]), k

@@ -544,9 +544,8 @@ def test_a_batched_steps_attention_is_the_module_paths_bit_for_bit():
         ("builtin", torch.float32, "bf16"),
         ("int4", torch.float32, "bf16"),
         ("int4", torch.bfloat16, "bf16"),
-        ("int4", torch.float32, "int8"),
     ],
-    ids=["builtin", "int4", "int4-bf16", "int4-int8"],
+    ids=["builtin", "int4", "int4-bf16"],
 )
 def test_a_batched_steps_layers_are_the_module_paths_bit_for_bit(
     int4_model, model, dtype, activations
@@ -555,8 +554,9 @@ def test_a_batched_steps_layers_are_the_module_paths_bit_for_bit(
     norms and attention, then the block's routing and experts for all rows) and through the
     modules' own forwards: the same logits, bit for bit, on the built-in model (float
     projections under LoRA, predictions as routing) and on one with int4 q/k/v/o and q/k norm
-    per head, in either compute dtype. With int8 activations the rows' projections take
-    torch's int4 kernel's path, as the module path's do."""
+    per head, in either compute dtype. (With int8 activations the rows' projections take the
+    int8 kernel each row's own step takes, which the module path has not:
+    tests/test_scheduling.py holds a row stepped with others to its own step.)"""
     path = builtin.model_dir() if model == "builtin" else int4_model
     opts = EngineOptions(
         io_mode="buffered",

@@ -343,6 +343,21 @@ def staged_keys(req) -> dict | None:
     )
 
 
+def three_prompts(engine) -> list[list[int]]:
+    tok = engine.tokenizer
+    return [tok.encode(t) for t in ("def add(a, b):", "import os\nimport sys", "class A")]
+
+
+def twice_prefilled(engine, prompts: list[list[int]]) -> tuple[list, list]:
+    """Two requests per prompt, each prefilled with it: (to step together, to step alone)."""
+    batched = [engine.new_request() for _ in prompts]
+    alone = [engine.new_request() for _ in prompts]
+    for a, b, ids in zip(batched, alone, prompts, strict=True):
+        engine.prefill(a, ids)
+        engine.prefill(b, ids)
+    return batched, alone
+
+
 @pytest.mark.parametrize("name", ["builtin", "builtin, no prerouter", "hybrid", "mla"])
 def test_decode_steps_in_one_forward_match_each_alone(row_engines, name):
     """Requests at different positions step in one forward (Engine.step_rows). One row is
@@ -358,15 +373,10 @@ def test_decode_steps_in_one_forward_match_each_alone(row_engines, name):
     at fp32 agreement is chance, set by where the CPU's kernels round (AMD EPYC, AVX-512,
     prerouter: 12 of 18 rows past 1e-5, 2 of 18 under ATEN_CPU_CAPABILITY=avx2)."""
     engine = row_engines[name]
-    tok = engine.tokenizer
-    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os\nimport sys", "class A")]
+    prompts = three_prompts(engine)
     assert len({len(p) for p in prompts}) == 3
     for rows in (1, 3):
-        batched = [engine.new_request() for _ in prompts[:rows]]
-        alone = [engine.new_request() for _ in prompts[:rows]]
-        for a, b, ids in zip(batched, alone, prompts, strict=False):
-            engine.prefill(a, ids)
-            engine.prefill(b, ids)
+        batched, alone = twice_prefilled(engine, prompts[:rows])
         tokens, errors = [5, 6, 7][:rows], []
         before = engine.stats()
         for _ in range(6):
@@ -911,14 +921,9 @@ def test_with_int8_activations_a_row_stepped_with_others_uses_its_own_kernel(tmp
             assert engine.layers and all(
                 n.rows_kernel[1] >= native.INT8 for n in engine.layers.values()
             )
-        tok = engine.tokenizer
-        prompts = [tok.encode(t) for t in ("def add(a, b):", "import os\nimport sys", "class A")]
+        prompts = three_prompts(engine)
         for rows in (1, 3):
-            batched = [engine.new_request() for _ in prompts[:rows]]
-            alone = [engine.new_request() for _ in prompts[:rows]]
-            for a, b, ids in zip(batched, alone, prompts, strict=False):
-                engine.prefill(a, ids)
-                engine.prefill(b, ids)
+            batched, alone = twice_prefilled(engine, prompts[:rows])
             tokens = [5, 6, 7][:rows]
             for _ in range(6):
                 together = engine.step_rows(batched, tokens)
