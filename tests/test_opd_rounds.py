@@ -6,6 +6,7 @@ uninterrupted adapter."""
 from __future__ import annotations
 
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -56,35 +57,33 @@ def test_one_step_rounds_train_the_per_step_adapter(setup):
 
 
 def test_the_teacher_is_loaded_per_round_and_never_while_the_student_trains(setup, monkeypatch):
-    loaded, open_ = [], []
+    """Each teacher load_teacher returns is gone (no reference left: its memory freed)
+    before the student samples or trains again."""
+    loaded = []
     load = opd.load_teacher
 
-    class Counted:
-        def __init__(self, *args, **kwargs):
-            self.teacher = load(*args, **kwargs)
-            loaded.append(self)
-            open_.append(self)
+    def counted(*args, **kwargs):
+        teacher = load(*args, **kwargs)
+        loaded.append(weakref.ref(teacher))
+        return teacher
 
-        def __call__(self, tokens):
-            return self.teacher(tokens)
-
-        def close(self):
-            open_.remove(self)
+    def alive() -> bool:
+        return any(ref() is not None for ref in loaded)
 
     def scored_loss(*args):
-        assert not open_, "the teacher is loaded while the student trains"
+        assert not alive(), "the teacher is loaded while the student trains"
         return reverse_kl(*args)
 
     def sampled(*args):
-        assert not open_, "the teacher is loaded while the student samples"
+        assert not alive(), "the teacher is loaded while the student samples"
         return sample(*args)
 
     reverse_kl, sample = opd.reverse_kl_scored, opd.sample
-    monkeypatch.setattr(opd, "load_teacher", Counted)
+    monkeypatch.setattr(opd, "load_teacher", counted)
     monkeypatch.setattr(opd, "reverse_kl_scored", scored_loss)
     monkeypatch.setattr(opd, "sample", sampled)
     adapter = run(setup, "rounds-2", 2)
-    assert len(loaded) == STEPS // 2 and not open_
+    assert len(loaded) == STEPS // 2 and not alive()
     folder = setup["tmp"] / "rounds-2.safetensors.run"
     assert sorted(f.name for f in folder.glob("round-*")) == [
         "round-00000.safetensors",

@@ -160,13 +160,7 @@ def load_full_state(model: nn.Module, optimizer, state: dict, opt_state: dict) -
 
 def mean(value: torch.Tensor, ranks: Ranks) -> float:
     """A per-rank scalar averaged over the ranks (each rank's share is the same size)."""
-    if ranks.world == 1:
-        return value.item()
-    total = value.detach().clone().float()
-    if dist.get_backend() == "nccl":
-        total = total.cuda()
-    dist.all_reduce(total)
-    return total.item() / ranks.world
+    return total(value.float(), ranks).item() / ranks.world
 
 
 def total(values: torch.Tensor, ranks: Ranks) -> torch.Tensor:

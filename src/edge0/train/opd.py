@@ -40,6 +40,7 @@ from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common
 from edge0.train.student import (
     base_options,
+    close_teacher,
     finish,
     load_student,
     load_teacher,
@@ -142,7 +143,8 @@ def train_opd(
     spent = {"sample_s": 0.0, "score_s": 0.0, "rounds": 0}
 
     def samples() -> torch.Tensor:
-        """This rank's sequences for `step`: corpus prompts continued by the student."""
+        """This rank's sequences for the next step: corpus prompts continued by the
+        student."""
         prompts = common.random_windows(stream, cfg.batch, p - 1, gen)  # the global batch
         prompts = ranks.share(prompts).to(device)
         # each rank samples its rows with its own generator, drawn from the shared one: the
@@ -193,8 +195,7 @@ def train_opd(
             try:
                 parts = [scored(teacher, x) for x in seqs]
             finally:
-                if hasattr(teacher, "close"):
-                    teacher.close()
+                close_teacher(teacher)
                 del teacher
                 gc.collect()
                 memory.release_freed()
@@ -243,8 +244,7 @@ def train_opd(
         ranks=ranks,
     )
     spent["train_s"] = time.perf_counter() - t_loop - spent["sample_s"] - spent["score_s"]
-    if teacher is not None and hasattr(teacher, "close"):
-        teacher.close()
+    close_teacher(teacher)
     init_meta = lora.read(init).metadata
     meta = {
         "model": model_dir.name,

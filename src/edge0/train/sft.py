@@ -27,6 +27,7 @@ from edge0.text.tokenizer import load_tokenizer
 from edge0.train import common
 from edge0.train.student import (
     base_options,
+    close_teacher,
     finish,
     load_student,
     load_teacher,
@@ -111,8 +112,7 @@ def teacher_dataset(
                 executors=executors,
             ).cpu()
         )
-    if hasattr(teacher, "close"):
-        teacher.close()
+    close_teacher(teacher)
     tokens = torch.cat(out)
     digest = hashlib.sha256(data_hash.encode() + tokens.numpy().tobytes()).hexdigest()
     return tokens, digest

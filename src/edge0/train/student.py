@@ -202,6 +202,13 @@ def load_teacher(
     return model.to(device or "cpu")
 
 
+def close_teacher(teacher) -> None:
+    """Let go of what load_teacher returned (or None): an edge0-served teacher's engine is
+    closed (its pool and I/O threads); a Hugging Face model goes with its last reference."""
+    if isinstance(teacher, EngineTeacher):
+        teacher.close()
+
+
 def teacher_parts(teacher) -> tuple[torch.nn.Module, dict | None]:
     """(the teacher's model, where its experts come from) for sampling from it."""
     if isinstance(teacher, EngineTeacher):

@@ -81,7 +81,8 @@ def top_k_and_tail(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 
 def build(teacher_dir: Path, data: list[str], out: Path, cfg: CacheConfig, progress: bool) -> dict:
     """Write (or finish) the cache in `out`; returns its summary."""
-    from edge0.train.student import load_teacher  # the teacher's loaders live with the student
+    # the teacher's loaders live with the student
+    from edge0.train.student import close_teacher, load_teacher
 
     teacher_dir, out = Path(teacher_dir), Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,8 +142,7 @@ def build(teacher_dir: Path, data: list[str], out: Path, cfg: CacheConfig, progr
             os.replace(tmp, out / shard_name(i))
     finally:
         bar.close()
-        if teacher is not None and hasattr(teacher, "close"):
-            teacher.close()
+        close_teacher(teacher)
     return summary(out)
 
 
