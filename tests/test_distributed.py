@@ -135,6 +135,44 @@ def test_two_fsdp_ranks_train_the_adapter_one_process_trains(setup):
     assert any(k.endswith("lora_B") and two[k].abs().max() > 1e-3 for k in two)
 
 
+SHARDED_LOAD = """
+import sys, torch
+from edge0.train import distributed
+from edge0.train.student import load_student
+ranks = distributed.join("cpu")
+student = load_student(sys.argv[1], heads=False, new_lora=(8, 16.0), seed=3,
+                       base="dequantized", shard=ranks, device=torch.device("cpu"))
+held = sum(p.to_local().numel() for p in student.model.parameters())
+with distributed.gathered(student.model):
+    whole = {n: p.detach().clone() for n, p in student.model.named_parameters()}
+if ranks.main:
+    torch.save({"whole": whole}, sys.argv[2])
+torch.save(held, f"{sys.argv[2]}.{ranks.rank}")
+"""
+
+
+def test_each_fsdp_rank_loads_only_its_shard_of_the_dequantized_base(setup):
+    """With --fsdp each rank reads and dequantizes only its rows of every weight (its experts
+    of each layer) into memory built sharded: the two ranks hold the model once between
+    them, and the weights they gather are the whole-model load's, bit for bit, with the
+    same fresh adapter."""
+    from edge0.train.student import load_student
+
+    script, out = setup["tmp"] / "sharded_load.py", setup["tmp"] / "sharded.pt"
+    script.write_text(SHARDED_LOAD)
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(setup["model"])]
+    subprocess.run([*cmd, str(out)], check=True, env=env(), timeout=300)
+    whole = torch.load(out)["whole"]
+    plain = load_student(setup["model"], heads=False, new_lora=(8, 16.0), seed=3)
+    expected = dict(plain.model.named_parameters())
+    assert whole.keys() == expected.keys()
+    for name, t in expected.items():
+        assert torch.equal(whole[name], t), name
+    held = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert sum(held) == sum(t.numel() for t in expected.values())
+    assert max(held) < 0.51 * sum(held)  # each rank about half, never the whole
+
+
 def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_adapter(setup):
     """Its checkpoints hold the whole adapter and AdamW state, gathered from both ranks;
     each rank takes its shards of them again."""

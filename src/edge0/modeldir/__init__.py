@@ -337,6 +337,16 @@ class ModelDir:
 
         return build(self.family, self.config, ExpertSlot)
 
+    def dequantized_skeleton(self) -> nn.Module:
+        """The family's model on the meta device with every expert resident (ResidentExperts):
+        what load_model(dequantized=True) fills, or a sharded student fills rank by rank."""
+        from edge0.modeldir.loader import build
+        from edge0.models.experts import ResidentExperts
+
+        cfg = self.config
+        shape = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        return build(self.family, cfg, lambda layer: ResidentExperts(*shape))
+
     def load_model(
         self, dtype: torch.dtype, arrangement: Int4Layout, dequantized: bool = False
     ) -> nn.Module:
@@ -345,7 +355,6 @@ class ModelDir:
         every weight in float, the experts too, from the int4 extents as the kernel sees them
         (the student path training runs on)."""
         from edge0.modeldir.loader import build, dequantized_experts, expert_prefixes, load_state
-        from edge0.models.experts import ResidentExperts
 
         state = self._resident_state()
         cfg, source = self.config, str(self.resident.path)
@@ -353,8 +362,7 @@ class ModelDir:
             model = build(self.family, cfg, ExpertSlot)
             int4.install(model, state, arrangement, source, dtype)
         else:
-            shape = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-            model = build(self.family, cfg, lambda layer: ResidentExperts(*shape))
+            model = self.dequantized_skeleton()
             state.update(dequantized_experts(self.path, self.manifest, expert_prefixes(model)))
             int4.dequantize_state(state)
         load_state(model, state, source, dtype)

@@ -42,7 +42,9 @@ class LoraLinear(nn.Module):
         self.r, self.alpha = r, alpha
         self.scale = alpha / r
         dev = next(iter(base.buffers() if isinstance(base, Int4Linear) else base.parameters()))
-        dev = dev.device
+        # a base still on the meta device (a student built to be sharded before it is
+        # filled) gets its adapter in host memory, so that its initial values exist
+        dev = torch.device("cpu") if dev.device.type == "meta" else dev.device
         self.lora_A = nn.Parameter(torch.zeros(r, base.in_features, device=dev))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=dev))
         self.enabled = True

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint.state_dict as dcp_state
 import torch.distributed.fsdp as fsdp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,32 @@ def shard(model: nn.Module, layers: list[nn.Module], ranks: Ranks, device: torch
     for layer in layers:
         fsdp.fully_shard(layer, mesh=mesh)
     fsdp.fully_shard(model, mesh=mesh)
+
+
+def materialize(model: nn.Module, device: torch.device, source, ranks: Ranks) -> None:
+    """Give a model built on the meta device and sharded there (shard()) its memory on
+    `device`, and fill this rank's part of each tensor from `source(name, rows)`: the named
+    tensor's rows in the range of its first dimension, the part FSDP2 keeps on this rank
+    (torch.chunk's: ceil(n / N) rows a rank, the last ranks maybe fewer or none); tensors it
+    does not shard (buffers), whole. So no rank ever holds more than its shards and the one
+    tensor being read."""
+    model.to_empty(device=device)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    with torch.no_grad():
+        for name, t in tensors:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            n = t.shape[0] if t.dim() else 0
+            rows = range(n)
+            if isinstance(t, DTensor):
+                per = -(-n // ranks.world)
+                rows = range(min(ranks.rank * per, n), min((ranks.rank + 1) * per, n))
+            part = source(name, rows)
+            if part.shape != local.shape:
+                raise ValueError(
+                    f"{name}: rank {ranks.rank} holds {tuple(local.shape)} of it, the source "
+                    f"gave {tuple(part.shape)}"
+                )
+            local.copy_(part)
 
 
 @contextlib.contextmanager

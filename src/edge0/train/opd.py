@@ -126,15 +126,13 @@ def train_opd(
         top_k=cfg.top_k,
         heads=heads,
         lora_file=init,
-        # sharded: loaded in host memory, each rank's shards then moved to its device
-        device=torch.device("cpu") if cfg.fsdp else device,
+        device=device,
         stage_width=cfg.stage_width,
         base=base,
         options=base_options(cfg.process_budget, share, length),
+        shard=ranks if cfg.fsdp else None,
     )
     student.checkpoint = cfg.checkpoint
-    if cfg.fsdp:
-        student.shard(ranks, device)
     runtime = student.runtime()
     sampling = SamplingParams(temperature=cfg.temperature)
     p = cfg.prompt_len

@@ -181,16 +181,14 @@ def train_sft(
         heads=heads,
         new_lora=(cfg.rank, cfg.alpha),
         seed=cfg.seed,
-        # sharded: loaded in host memory, each rank's shards then moved to its device
-        device=torch.device("cpu") if cfg.fsdp else device,
+        device=device,
         stage_width=cfg.stage_width,
         lora_routers=cfg.lora_routers,
         base=base,
         options=base_options(cfg.process_budget, share, p + gen_len),
+        shard=ranks if cfg.fsdp else None,
     )
     student.checkpoint = cfg.checkpoint
-    if cfg.fsdp:
-        student.shard(ranks, device)
     student.model.train()
 
     def batch_fn(step: int) -> tuple[torch.Tensor, ...]:

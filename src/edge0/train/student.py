@@ -81,23 +81,6 @@ class Student:
         if self.engine is not None:
             self.engine.close()
 
-    def shard(self, ranks: distributed.Ranks, device: torch.device) -> None:
-        """Shard the dequantized base and the LoRA over the ranks (FSDP2, `--fsdp`:
-        train/distributed.py) instead of holding all of it on each. The student is loaded
-        in host memory (device=cpu) and each rank moves only its shards to `device`."""
-        if self.engine is not None:
-            raise ValueError(
-                "--fsdp shards the dequantized base (--base dequantized); the int4 base is "
-                "each rank's own engine, its experts streamed from disk"
-            )
-        if ranks.world == 1:  # nothing to shard over: the whole student on the device
-            self.model.to(device)
-        else:
-            lora_parameters(self.model)  # trainable before sharding: FSDP reduces their grads
-            distributed.shard(self.model, list(self.model.backbone.layers), ranks, device)
-        if self.prerouter is not None:
-            self.prerouter.to(device)
-
     def runtime(self) -> PrerouterRuntime | None:
         if self.prerouter is None:
             return None
@@ -229,15 +212,25 @@ def load_student(
     lora_routers: bool = False,
     base: str = "dequantized",
     options: EngineOptions | None = None,
+    shard: distributed.Ranks | None = None,
 ) -> Student:
     """The served model for training/eval. heads: a file, None (MODEL_DIR/prerouter.safetensors
     if present) or False (gate routing). lora_file loads an adapter; new_lora=(r, alpha)
     attaches a fresh one to every family LORA_TARGET, and with lora_routers to every MoE
     router that is a plain Linear as well. stage_width W > K: each consumer's router picks
     its K among the W experts the prediction stages (`--stage-width`). base: "int4" (the
-    engine's, planned with `options`: its budget, context and rows) or "dequantized"."""
+    engine's, planned with `options`: its budget, context and rows) or "dequantized".
+    shard: the ranks to shard the dequantized base and the LoRA over (FSDP2, `--fsdp`:
+    train/distributed.py); each rank reads and dequantizes only its part of each weight
+    into `device`, so it never holds the whole base."""
     model_dir = Path(model_dir)
     engine = None
+    sharded = shard is not None and shard.world > 1
+    if sharded and base != "dequantized":
+        raise ValueError(
+            "--fsdp shards the dequantized base (--base dequantized); the int4 base is "
+            "each rank's own engine, its experts streamed from disk"
+        )
     if base == "int4":
         if device is not None and device.type != "cpu":
             raise ValueError(
@@ -256,6 +249,11 @@ def load_student(
         )
         engine = load_engine(model_dir, opts)
         model, k = engine.model, engine.top_k
+    elif sharded:  # built on the meta device, filled rank by rank once sharded (below)
+        md = modeldir.ModelDir(model_dir, no_lora=True, no_prerouter=True)
+        manifest, model = md.manifest, md.dequantized_skeleton()
+        k = resolve_top_k(top_k, manifest.served_top_k, manifest.native_top_k)
+        model.set_top_k(k)
     elif base == "dequantized":
         manifest, model = loader.load_edge0_model(model_dir, experts="dequantized")
         k = resolve_top_k(top_k, manifest.served_top_k, manifest.native_top_k)
@@ -287,13 +285,42 @@ def load_student(
             torch.Generator().manual_seed(seed),
         )
     device = device or torch.device("cpu")
-    model.to(device)
+    if sharded:
+        _fill_sharded(md, model, shard, device)
+    else:
+        model.to(device)
     if pre is not None:
         pre.to(device)
     if stage_width is not None and stage_width < k:
         raise ValueError(f"the stage width ({stage_width}) must be at least K ({k})")
     wide = stage_width if stage_width is not None and stage_width > k else None
     return Student(model, pre, k, fam, base_hash, stage_width=wide, engine=engine)
+
+
+def _fill_sharded(
+    md: modeldir.ModelDir, model: torch.nn.Module, ranks: distributed.Ranks, device: torch.device
+) -> None:
+    """Shard a student built on the meta device (its LoRA, if any, already in host memory)
+    over the ranks, then fill this rank's part of every weight: the base's read and
+    dequantized from the directory, the adapter's from its initial values."""
+    adapter = {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type == "cpu"}
+    lora_parameters(model)  # trainable before sharding: FSDP reduces their grads
+    distributed.shard(model, list(model.backbone.layers), ranks, device)
+    wrapped = [f"{path}.base." for path in lora.adapters(model)]
+
+    def base_name(name: str) -> str:  # a LoRA-wrapped projection's weight as stored
+        prefix = next((w for w in wrapped if name.startswith(w)), None)
+        return name if prefix is None else prefix.removesuffix("base.") + name[len(prefix) :]
+
+    with loader.DequantizedTensors(md, model) as read:
+
+        def source(name: str, rows: range) -> torch.Tensor:
+            if name in adapter:
+                return adapter[name][rows.start : rows.stop]
+            return read(base_name(name), rows)
+
+        distributed.materialize(model, device, source, ranks)
+    model.eval()
 
 
 def lora_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
