@@ -74,3 +74,23 @@ def test_the_floor_counts_what_a_step_reads(tmp_path):
     assert r["floor_ms"] == pytest.approx(1e3 * sum(parts.values()) / r["read_bandwidth"])
     assert r["read_bandwidth"] > 1e8
     assert "x the floor" in profile.report(r)
+
+
+def test_the_profile_pool_holds_every_expert_by_default(tmp_path):
+    """`bench --profile` sizes its pool to every expert, not to the serving plan's share of
+    free memory (a third of a 30B-class model's experts here), so preloading them works."""
+    from edge0.engine.load import load_engine
+    from edge0.engine.options import EngineOptions
+
+    make_hf_model(tmp_path / "hf", scale=4.0)
+    convert(tmp_path / "hf", tmp_path / "e0", progress=False)
+    every = profile.every_expert_bytes(tmp_path / "e0")
+    extent = json.loads((tmp_path / "e0" / "edge0.json").read_text())["experts"]["extent_bytes"]
+    engine = load_engine(tmp_path / "e0", EngineOptions(expert_cache=every, no_prerouter=True))
+    try:
+        extents = len(engine.moe_layers) * engine.config.num_experts
+        assert every == extents * extent == engine.plan.experts_bytes
+        assert engine.plan.holds_every_expert
+        engine.preload_experts()
+    finally:
+        engine.close()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from edge0 import modeldir
 from edge0.engine.load import load_engine
 from edge0.engine.options import EngineOptions
 from edge0.models.experts import ResidentExperts
@@ -126,6 +127,14 @@ def step_bytes(engine, cache) -> dict[str, int]:
         "heads": heads,
         "keys and values": cache.touched_bytes(),
     }
+
+
+def every_expert_bytes(model_dir: Path) -> int:
+    """The pool that holds every routed expert of an edge0 directory: what the profile
+    sizes its pool to unless told otherwise, rather than the serving plan's share of free
+    memory, which for a 30B-class model holds about a third of them."""
+    md = modeldir.ModelDir(model_dir, no_lora=True, no_prerouter=True)
+    return md.extent_bytes * sum(ext.count for ext in md.experts.values())
 
 
 def measure(

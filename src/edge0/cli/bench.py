@@ -56,7 +56,7 @@ def add_bench_parser(sub) -> None:
         type=memory.parse_size,
         default=None,
         help="expert pool of the capped arms (default: the serving plan's pool under the cap "
-        "less a 600 MiB runtime reserve)",
+        "less a 600 MiB runtime reserve); with --profile, its pool (default: every expert)",
     )
     b.add_argument("--tokens", type=int, default=64, help="timed decode steps per round")
     b.add_argument("--warmup", type=int, default=8)
@@ -166,13 +166,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.profile:
         from edge0.bench import profile
 
+        path = model_path(args.model_dir)
         opts = EngineOptions(
             io_mode="buffered",
             int4_activations=args.int4_activations,
             top_k=args.top_k[0] if args.top_k else None,
             no_prerouter=True,  # every expert in the pool: the exact step, without the heads
+            expert_cache=args.expert_cache or profile.every_expert_bytes(path),
         )
-        row = profile.measure(model_path(args.model_dir), args.tokens, options=opts)
+        row = profile.measure(path, args.tokens, options=opts)
         print(profile.report(row))
         if args.json:
             Path(args.json).write_text(json.dumps(row, indent=2) + "\n")
