@@ -38,6 +38,7 @@ from edge0.engine.plan import ModelSizes, make_plan, prediction_routed_layers, r
 from edge0.formats.checkpoint import check_dir, is_adapter_file, read_json
 from edge0.formats.extents import ExtentLayout
 from edge0.formats.format import INT4
+from edge0.formats.format import recorded as recorded_format
 from edge0.formats.mlx import QuantConfig, QuantParams, detect_format
 from edge0.modeldir import Header
 from edge0.models import model_type_of
@@ -141,8 +142,9 @@ def inspect_dir(
     adapters = read_adapters(path)
     one = max(per_expert_params.values())
     width = one // (3 * hidden) if hidden else 0
-    try:
-        extent = ExtentLayout(hidden, width).nbytes
+    try:  # an edge0 directory's experts in the format it records, others as edge0 writes them
+        stored = recorded_format(manifest["quantization"]["experts"]) if manifest else INT4
+        extent = ExtentLayout(hidden, width, format=stored).nbytes
     except ValueError:  # not int4-kernel shaped: edge0 cannot hold this model's experts
         extent = None
     stored_one = routed.bytes // sum(experts.values())

@@ -56,7 +56,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from edge0 import hub
 
     src = hub.source(args.hf_dir)  # a directory, a GGUF file, a repo id or a hub-cache path
-    convert = hub.converter("mlx" if args.from_mlx else src.kind)  # the flag overrides
+    kind = "mlx" if args.from_mlx else src.kind  # the flag overrides
+    if args.experts != "int4" and kind in ("mlx", "gguf"):
+        raise ValueError(
+            f"--experts {args.experts} keeps a checkpoint's float weights; {src.path} is "
+            f"{kind.upper()}, whose experts are already quantized (convert the Hugging Face "
+            "checkpoint it came from)"
+        )
+    convert = hub.converter(kind)
 
     report = convert(
         src.path,
@@ -64,7 +71,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.quiet,
         int4=args.int4_layout,
-        resident=args.resident,
+        resident=args.resident or ("bf16" if args.experts == "bf16" else "int4"),
+        **({"experts": args.experts} if args.experts != "int4" else {}),
     )
     print(
         f"wrote {report.out_dir}: {report.num_extents} expert extents of {report.extent_bytes} "
@@ -306,9 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--resident",
         choices=("int4", "bf16"),
-        default="int4",
+        default=None,
         help="resident projections and embeddings as int4 (default, the reference's format) "
-        "or bf16 (for parity work)",
+        "or bf16 (for parity work; the default with --experts bf16)",
+    )
+    c.add_argument(
+        "--experts",
+        choices=("int4", "bf16"),
+        default="int4",
+        help="the routed experts as int4 (default: what edge0 serves) or as the checkpoint's "
+        "bf16 weights, four times the bytes: a model to serve as the teacher of `edge0 train` "
+        "(Hugging Face sources)",
     )
     c.add_argument(
         "--int4-layout",

@@ -313,7 +313,8 @@ def add_train_parsers(sub) -> None:
             type=Path,
             required=name == "opd",
             help="the teacher: a Hugging Face directory (full precision, in memory) or an "
-            "edge0 directory (served by edge0: native K, int4 experts through a small pool)",
+            "edge0 directory (served by edge0: native K, experts through a small pool; convert "
+            "the teacher with --experts bf16 to keep its weights)",
         )
         p.add_argument(
             "--data",

@@ -33,7 +33,7 @@ from edge0.formats.checkpoint import (
     check_dir,
 )
 from edge0.formats.extents import ExtentLayout
-from edge0.formats.format import INT4
+from edge0.formats.format import EXPERT_FORMATS, INT4
 from edge0.formats.writer import StreamingSafetensors
 from edge0.modeldir.loader import build, expert_prefixes
 from edge0.models import int4, load_config
@@ -91,11 +91,13 @@ def convert(
     progress: bool = True,
     int4: str | None = None,
     resident: str = "int4",
+    experts: str = "int4",
 ) -> ConvertReport:
     """`int4` names the arrangement of the expert codes (int4_layout.py); the default is this
     machine's kernel's, so serving here never repacks. Any arrangement serves everywhere.
-    `resident` is "int4" (projections and embeddings as int4, models/int4.py) or "bf16"."""
-    return with_peaks(_convert, hf_dir, out_dir, force, progress, int4, resident)
+    `resident` is "int4" (projections and embeddings as int4, models/int4.py) or "bf16".
+    `experts` is "int4" (served) or "bf16" (the weights themselves: a teacher's store)."""
+    return with_peaks(_convert, hf_dir, out_dir, force, progress, int4, resident, experts)
 
 
 def with_peaks(run: Callable[..., ConvertReport], *args) -> ConvertReport:
@@ -106,7 +108,7 @@ def with_peaks(run: Callable[..., ConvertReport], *args) -> ConvertReport:
     return report
 
 
-def _convert(hf_dir, out_dir, force, progress, int4, resident) -> ConvertReport:
+def _convert(hf_dir, out_dir, force, progress, int4, resident, experts) -> ConvertReport:
     t0 = time.perf_counter()
 
     src = check_dir(hf_dir, "Hugging Face model directory")
@@ -119,7 +121,17 @@ def _convert(hf_dir, out_dir, force, progress, int4, resident) -> ConvertReport:
     for source in sources.values():
         source.check_shapes(cfg.hidden_size, cfg.moe_intermediate_size)
     return write_model_dir(
-        src, out, fam, cfg, ckpt, sources, progress=progress, t0=t0, int4=int4, resident=resident
+        src,
+        out,
+        fam,
+        cfg,
+        ckpt,
+        sources,
+        progress=progress,
+        t0=t0,
+        int4=int4,
+        resident=resident,
+        experts=experts,
     )
 
 
@@ -153,21 +165,26 @@ def write_model_dir(
     extra: Callable[[Path], None] | None = None,
     int4: str | None = None,
     resident: str = "int4",
+    experts: str = "int4",
 ) -> ConvertReport:
     """Write an edge0 directory from any checkpoint view and per-layer expert sources.
 
     `ckpt` needs keys/shape/get/files/hashes (resident tensors under our module names);
     each source needs keys/extent/release. `config` replaces config.json's content,
     `source` the manifest's provenance, and `extra(tmp)` adds files before hashing; config and
-    tokenizer files are copied from `src` unless it is None. `int4`
-    names the codes' arrangement (default: this machine's kernel's); `resident` is "int4" or
-    "bf16". A checkpoint that offers `quantized(key)` gives int4 resident weights itself (MLX
-    keeps its values; GGUF tallies the error).
+    tokenizer files are copied from `src` unless it is None. `int4` names the codes'
+    arrangement (default: this machine's kernel's); `resident` is "int4" or "bf16"; `experts`
+    the experts' format (format.EXPERT_FORMATS). A checkpoint that offers `quantized(key)`
+    gives int4 resident weights itself (MLX keeps its values; GGUF tallies the error).
     """
     if resident not in RESIDENT_FORMATS:
         raise ValueError(f"resident must be one of {RESIDENT_FORMATS}, not {resident!r}")
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {tuple(EXPERT_FORMATS)}, not {experts!r}")
     arrangement = int4_layout.by_name(int4) if int4 else int4_layout.host_layout()
-    layout = ExtentLayout(cfg.hidden_size, cfg.moe_intermediate_size, arrangement)
+    layout = ExtentLayout(
+        cfg.hidden_size, cfg.moe_intermediate_size, arrangement, EXPERT_FORMATS[experts]
+    )
     skip = {k for s in sources.values() for k in s.keys()}
     meta_model = build(fam, cfg, ExpertSlot)
     expected = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
@@ -358,7 +375,7 @@ def _write_experts(
     table, offset = {}, writer.data_start
     bar = tqdm(
         total=len(sources) * cfg.num_experts,
-        desc="experts -> int4",
+        desc=f"experts -> {layout.format.name}",
         unit="expert",
         disable=not progress,
     )

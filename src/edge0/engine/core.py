@@ -81,7 +81,7 @@ class Engine:
         self.recurrent = model.new_cache(1, device="meta").recurrent
         self.tokenizer = model_dir.tokenizer
         self.eos = eos_ids(self.path, self.tokenizer)
-        self.experts = backend.expert_ops(pool.layout.int4)
+        self.experts = backend.ops_for(pool.layout)
         self.layers = backend.layers(model)  # decoder layers the backend computes at decode
         self.attend_rows = backend.attend_rows()  # a batched step's attention, row by row
         # with no heads thread, every request to the pool comes from the thread that decodes

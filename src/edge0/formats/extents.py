@@ -9,6 +9,11 @@ padded to a multiple of 4096 bytes, so O_DIRECT reads need no bounce buffer.
 Fusing gate and up makes a decode step two kernel calls per expert instead of three.
 The arrangement of the codes (`int4_layout`) is part of the layout: a file records the one
 it was written in, and a read into a pool converts to the host kernel's if they differ.
+
+In the BF16 format (format.py: a teacher's experts) an extent holds the weights themselves,
+  w13  bf16 [2I, D]   gate rows then up rows
+  w2   bf16 [D, I]    down
+and p13, p2 are empty; nothing is converted on a read.
 """
 
 from __future__ import annotations
@@ -57,12 +62,20 @@ class ExtentLayout:
     @property
     def fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
         d, i, g = self.hidden, self.inter, self.format.group_size
-        shapes = {
-            "w13": (torch.uint8, (2 * i, d // 2)),
-            "w2": (torch.uint8, (d, i // 2)),
-            "p13": (torch.bfloat16, (d // g, 2 * i, 2)),
-            "p2": (torch.bfloat16, (i // g, d, 2)),
-        }
+        if self.format.quantized:
+            shapes = {
+                "w13": (torch.uint8, (2 * i, d // 2)),
+                "w2": (torch.uint8, (d, i // 2)),
+                "p13": (torch.bfloat16, (d // g, 2 * i, 2)),
+                "p2": (torch.bfloat16, (i // g, d, 2)),
+            }
+        else:
+            shapes = {
+                "w13": (torch.bfloat16, (2 * i, d)),
+                "w2": (torch.bfloat16, (d, i)),
+                "p13": (torch.bfloat16, (0, 2 * i, 2)),
+                "p2": (torch.bfloat16, (0, d, 2)),
+            }
         out, offset = {}, 0
         for name, (dtype, shape) in shapes.items():
             out[name] = (dtype, shape, offset)
@@ -116,7 +129,9 @@ class ExtentLayout:
         or native.to_kernel_pairs: the same bits in one loop), and codes written in the
         `stored` arrangement into this layout's. A layout in the int8 order needs `reorder`
         (codes, their own arrangement), which puts codes in it in place
-        (native.put_in_int8_order)."""
+        (native.put_in_int8_order). Float weights are in kernel form as stored."""
+        if not self.format.quantized:
+            return
         kernel_pairs(t.p13)
         kernel_pairs(t.p2)
         # (in_own_order makes a new layout: ~5 us, for every read of a pool)
@@ -136,13 +151,22 @@ class ExtentLayout:
         t.w2.copy_(relayout(t.w2, d, i, src, dst))
 
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """Quantize one expert's float weights (gate/up [I, D], down [D, I]) into an extent."""
+        """Quantize one expert's float weights (gate/up [I, D], down [D, I]) into an extent
+        (in the BF16 format: round them to bf16)."""
+        if not self.format.quantized:
+            buf = torch.zeros(self.nbytes, dtype=torch.uint8)
+            t = self.views(buf)
+            t.w13.copy_(torch.cat([gate, up], dim=0))
+            t.w2.copy_(down)
+            return buf
         q13, s13, b13 = quant.quantize_affine(torch.cat([gate, up], dim=0))
         q2, s2, b2 = quant.quantize_affine(down)
         return self.pack_quantized(q13, s13, b13, q2, s2, b2)
 
     def pack_quantized(self, q13, s13, b13, q2, s2, b2) -> torch.Tensor:
         """Lay out already-quantized weights (q uint8 [N, K], scale/bias [N, K/64])."""
+        if not self.format.quantized:
+            raise ValueError(f"{self.format.name} extents hold weights, not int4 codes")
         buf = torch.zeros(self.nbytes, dtype=torch.uint8)
         t = self.views(buf)
         t.w13.copy_(self.int4.pack(q13))
@@ -153,6 +177,8 @@ class ExtentLayout:
 
     def dequantize(self, t: ExpertTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (w13 [2I, D], w2 [D, I]) from finalized views, as the kernel computes them."""
+        if not self.format.quantized:
+            return t.w13.float(), t.w2.float()
         d, i = self.hidden, self.inter
         w13 = self.int4.dequantize(t.w13, t.p13, 2 * i, d)
         w2 = self.int4.dequantize(t.w2, t.p2, d, i)
@@ -162,6 +188,8 @@ class ExtentLayout:
         """fp32 weights from raw stored bytes with the MLX formula scale * q + bias."""
         d, i = self.hidden, self.inter
         t = self.views(buf)
+        if not self.format.quantized:
+            return t.w13.float(), t.w2.float()
         w13 = quant.dequantize_affine(
             self.int4.unpack(t.w13, 2 * i, d), t.p13[..., 0].t(), t.p13[..., 1].t()
         )

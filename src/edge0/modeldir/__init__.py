@@ -26,7 +26,7 @@ from torch import nn
 
 from edge0.formats.checkpoint import TensorInfo, check_dir, read_header, read_json, sha256_file
 from edge0.formats.extents import ExtentLayout
-from edge0.formats.format import INT4
+from edge0.formats.format import recorded as recorded_format
 from edge0.formats.int4_layout import UNRECORDED, Int4Layout, by_name
 from edge0.formats.integrity import ModelDataError, file_checksum, hex64
 from edge0.models import int4, load_config
@@ -78,7 +78,7 @@ class Manifest:
             format_version=FORMAT_VERSION,
             family=family,
             quantization={
-                "experts": INT4.describe(layout.int4.name),
+                "experts": layout.format.describe(layout.int4.name),
                 # "int4": projections and embeddings as MLX affine int4 (models/int4.py)
                 "resident": resident,
             },
@@ -125,8 +125,11 @@ class Manifest:
     def layout(self) -> ExtentLayout:
         """The extents as stored; directories from before the arrangement was recorded hold
         the n32-split codes that edge0 always wrote then."""
-        int4 = self.quantization["experts"].get("layout", UNRECORDED.name)
-        return ExtentLayout(self.experts["hidden"], self.experts["inter"], by_name(int4))
+        recorded = self.quantization["experts"]
+        int4 = recorded.get("layout", UNRECORDED.name)
+        return ExtentLayout(
+            self.experts["hidden"], self.experts["inter"], by_name(int4), recorded_format(recorded)
+        )
 
     def base_hash(self) -> str:
         """base_hash() of this manifest's directory."""

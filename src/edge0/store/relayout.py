@@ -71,6 +71,8 @@ def experts_for_host(
     if policy not in POLICIES:
         raise ValueError(f"unknown relayout policy {policy!r}; choose one of {POLICIES}")
     src = Path(model_dir) / FILE_NAME
+    if not layout.format.quantized:
+        return src  # float weights: no arrangement to repack
     stored = stored or stored_int4(src)
     if stored != layout.int4:
         raise ValueError(

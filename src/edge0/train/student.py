@@ -123,11 +123,12 @@ def base_options(
 
 class EngineTeacher:
     """A teacher served by edge0 from its own model directory (`edge0 convert` of it): the
-    native K through its own routers, resident weights as converted, int4 experts read
-    through a pool of `pool_layers` layers' experts (a whole-layer forward needs one;
-    the second lets the next layer's reads start). Called as the HF teacher is: tokens
-    [B, T] -> logits [B, T, V]. Its pool is filled at load, so that a student's plan made
-    after it counts it."""
+    native K through its own routers, resident weights and experts as converted (int4, or
+    the checkpoint's bf16 weights with `edge0 convert --experts bf16`: a teacher without
+    int4's error) read through a pool of `pool_layers` layers' experts (a whole-layer
+    forward needs one; the second lets the next layer's reads start). Called as the HF
+    teacher is: tokens [B, T] -> logits [B, T, V]. Its pool is filled at load, so that a
+    student's plan made after it counts it."""
 
     def __init__(self, path: Path, rows: int, length: int, pool_layers: int = 2):
         manifest = modeldir.Manifest.load(path)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from edge0.engine.options import EngineOptions
@@ -44,6 +45,27 @@ class ExpertOps:
         """x [n, D] -> fp32 [n, D] through the expert's dequantized weights."""
         w13, w2 = layout.dequantize(t)
         return swiglu_dense(x.float(), w13, w2)
+
+
+def swiglu_float(x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
+    """One expert stored as float weights (the BF16 format) on its tokens: x [n, D] -> fp32
+    [n, D], each product in the weights' dtype (torch's matmul, fp32 accumulation)."""
+    gate, up = F.linear(x.to(t.w13.dtype), t.w13).float().chunk(2, dim=-1)
+    return F.linear((F.silu(gate) * up).to(t.w2.dtype), t.w2).float()
+
+
+class FloatExperts(ExpertOps):
+    """Experts whose extents hold their weights (a teacher's bf16 store), on every backend:
+    torch's matmul on the pool's views, nothing to dequantize."""
+
+    def token(self, x: torch.Tensor, experts: list[ExpertTensors]) -> torch.Tensor:
+        return torch.stack([swiglu_float(x, t)[0].to(x.dtype) for t in experts])
+
+    def rows(self, x: torch.Tensor, groups: list[Group]) -> torch.Tensor:
+        return torch.cat([swiglu_float(x[tokens], t) for tokens, t in groups])
+
+    def dense(self, layout: ExtentLayout, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
+        return swiglu_float(x, t)
 
 
 class Backend:
@@ -90,6 +112,13 @@ class Backend:
     def expert_ops(self, arrangement: Int4Layout) -> ExpertOps:
         """The expert ops for codes held in `arrangement` (the pool's)."""
         raise NotImplementedError
+
+    def ops_for(self, layout: ExtentLayout) -> ExpertOps:
+        """The expert ops for extents the pool holds as `layout`: this backend's int4 ops for
+        its arrangement, or FloatExperts for weights stored as bf16."""
+        if not layout.format.quantized:
+            return FloatExperts()
+        return self.expert_ops(layout.int4)
 
     def layers(self, model: nn.Module) -> dict[int, Callable]:
         """Stand-ins for the decoder layers this backend computes at decode (Forward.layers)."""
