@@ -1,6 +1,6 @@
 """Experts stored as bf16 (`edge0 convert --experts bf16`, formats/format.py BF16): a teacher
 served by edge0 without int4's error. The extents hold the checkpoint's weights rounded to
-bf16, every backend serves them through torch's matmul, and the served logits are the full
+bf16, every backend computes them in fp32 on those weights, and the served logits are the full
 model's to bf16's rounding where the int4 store's are far from them."""
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class Format:
                 "bits": self.bits,
                 "scheme": self.scheme,
                 "stored": "the checkpoint's weights as bf16",
-                "kernel": "torch's bf16 matmul",
+                "kernel": "torch's fp32 matmul on the weights widened per call",
             }
         return {
             "bits": self.bits,
