@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge0 import builtin
+from edge0 import builtin, modeldir
 from edge0.engine.options import EngineOptions
 from edge0.formats.int4_layout import host_layout
 from edge0.models.experts import swiglu_dense
@@ -85,13 +85,21 @@ def test_an_edge0_teacher_is_its_model_at_native_k_through_a_two_layer_pool(toke
     from edge0.modeldir import loader
     from edge0.train.student import EngineTeacher, load_teacher
 
-    teacher = load_teacher(builtin.model_dir(), rows=3, length=48)
+    experts = modeldir.Manifest.load(builtin.model_dir()).experts
+    two_layers = 2 * experts["num_experts"] * experts["extent_bytes"]
+    teacher = EngineTeacher(builtin.model_dir(), rows=3, length=48, expert_cache=two_layers)
     try:
-        assert isinstance(teacher, EngineTeacher)
         assert not teacher.engine.plan.holds_every_expert
         got = teacher(tokens)
     finally:
         teacher.close()
+    # by default, as serving: every expert where they fit a quarter of the free memory
+    default = load_teacher(builtin.model_dir(), rows=3, length=48)
+    try:
+        assert isinstance(default, EngineTeacher) and default.engine.plan.holds_every_expert
+        assert torch.equal(default(tokens), got)
+    finally:
+        default.close()
     manifest, model = loader.load_edge0_model(builtin.model_dir(), experts="dequantized")
     model.set_top_k(manifest.native_top_k)
     with torch.no_grad():

@@ -125,17 +125,36 @@ class EngineTeacher:
     """A teacher served by edge0 from its own model directory (`edge0 convert` of it): the
     native K through its own routers, resident weights and experts as converted (int4, or
     the checkpoint's bf16 weights with `edge0 convert --experts bf16`: a teacher without
-    int4's error) read through a pool of `pool_layers` layers' experts (a whole-layer
-    forward needs one; the second lets the next layer's reads start). Called as the HF
+    int4's error) read through a pool of every expert where they fit in a quarter of the
+    free memory, else of what does, at least `pool_layers` layers' experts (a whole-layer
+    forward needs one; the second lets the next layer's reads start), or `expert_cache`
+    bytes. Called as the HF
     teacher is: tokens [B, T] -> logits [B, T, V]. Its pool is filled at load, so that a
     student's plan made after it counts it."""
 
-    def __init__(self, path: Path, rows: int, length: int, pool_layers: int = 2):
+    def __init__(
+        self,
+        path: Path,
+        rows: int,
+        length: int,
+        pool_layers: int = 2,
+        expert_cache: int | None = None,
+    ):
         manifest = modeldir.Manifest.load(path)
         experts = manifest.experts
+        layer = experts["num_experts"] * experts["extent_bytes"]
+        every = layer * max(pool_layers, len(experts.get("layers", {})))
+        # as serving without a budget: every expert where they fit in a quarter of what the
+        # process may still take, so that sampling from it reads each expert once (a batched
+        # decode step routes to nearly every expert of a layer: with two layers' experts
+        # pooled, sampling sft's default 512 continuations from the bench shape re-read
+        # 2.6 GiB a step, 4 TB in all); never fewer than `pool_layers` layers' experts
+        if expert_cache is None:
+            room = memory.MachineMemory.now().available // 4
+            expert_cache = max(pool_layers * layer, min(every, room))
         options = EngineOptions(
             top_k=manifest.native_top_k,
-            expert_cache=pool_layers * experts["num_experts"] * experts["extent_bytes"],
+            expert_cache=expert_cache,
             max_context=length,
             max_active=rows,
             no_prerouter=True,
