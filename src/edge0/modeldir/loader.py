@@ -7,6 +7,9 @@ Three ways to get a runnable model:
                        dequantized from the int4 extents into memory ("dequantized", int4
                        resident weights too: the student path that training runs on, exactly
                        what the kernels compute)
+  DequantizedTensors   that dequantized model's tensors one rank's rows at a time, for a
+                       student sharded over torchrun's ranks (`--fsdp`) that no rank loads
+                       whole
 """
 
 from __future__ import annotations

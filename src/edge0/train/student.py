@@ -128,9 +128,8 @@ class EngineTeacher:
     int4's error) read through a pool of every expert where they fit in a quarter of the
     free memory, else of what does, at least `pool_layers` layers' experts (a whole-layer
     forward needs one; the second lets the next layer's reads start), or `expert_cache`
-    bytes. Called as the HF
-    teacher is: tokens [B, T] -> logits [B, T, V]. Its pool is filled at load, so that a
-    student's plan made after it counts it."""
+    bytes. Called as the HF teacher is: tokens [B, T] -> logits [B, T, V]. Its pool is
+    filled at load, so that a student's plan made after it counts it."""
 
     def __init__(
         self,
