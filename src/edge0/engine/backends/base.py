@@ -56,16 +56,14 @@ def swiglu_float(x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
 
 class FloatExperts(ExpertOps):
     """Experts whose extents hold their weights (a teacher's bf16 store), on every backend:
-    swiglu_float on the pool's views, nothing to dequantize."""
+    swiglu_float on the pool's views, nothing to dequantize (`dense` is the base's: the
+    layout widens the same views)."""
 
     def token(self, x: torch.Tensor, experts: list[ExpertTensors]) -> torch.Tensor:
         return torch.stack([swiglu_float(x, t)[0].to(x.dtype) for t in experts])
 
     def rows(self, x: torch.Tensor, groups: list[Group]) -> torch.Tensor:
         return torch.cat([swiglu_float(x[tokens], t) for tokens, t in groups])
-
-    def dense(self, layout: ExtentLayout, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
-        return swiglu_float(x, t)
 
 
 class Backend:
