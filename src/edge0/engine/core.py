@@ -87,6 +87,11 @@ class Engine:
         # with no heads thread, every request to the pool comes from the thread that decodes
         sole = prerouter is None or prerouter.worker is None
         self._exact = {i: ExactExecutor(pool, i, self.experts, sole) for i in self.moe_layers}
+        # a request's exact decode token through every layer in one call, where the pool
+        # holds every expert and no prerouter runs
+        self.token = None
+        if prerouter is None and plan.holds_every_expert:
+            self.token = backend.token_decoder(model, self.layers, pool, self.experts)
         bound = plan.floor.prefix_cache
         self.prefix_cache = PrefixCache(bound) if bound else None
         self.decode_stats = DecodeStats()
@@ -254,8 +259,12 @@ class Engine:
         """One decode step; returns the next logits [V]. With a prerouter, the consumers route
         by last step's predictions and this step's flush starts the next step's reads."""
         exact = self._before_step(req)
-        x = torch.tensor([[token]], dtype=torch.long)
-        logits = decode.step(self.model, req.cache, x, req.pre, req.decode, self.layers)
+        logits = None
+        if self.token is not None and req.decode is self._exact:
+            logits = self.token(req.cache, token)  # None: not a step it serves
+        if logits is None:
+            x = torch.tensor([[token]], dtype=torch.long)
+            logits = decode.step(self.model, req.cache, x, req.pre, req.decode, self.layers)
         logits = logits[0].float()
         self._after_steps([req], [token], [exact])
         return logits

@@ -19,6 +19,9 @@ they remove is the Python, the dispatch and the dtype round trips between that p
   torch.ops.edge0.moe_combine       the weighted sum of a token's experts, its shared expert
                                     and the residual (decode_ops.cpp)
   torch.ops.edge0.rms_norm          layers.py RMSNorm of fp32 or bf16 rows (norms.cpp)
+  torch.classes.edge0.TokenDecoder  a decode token of one request through every decoder
+                                    layer in one call: the ops above, layer after layer
+                                    (decode_ops.cpp; engine/backends/native_token.py)
   torch.ops.edge0.prerouter_head    a prerouter head on a few decode rows from its fp16
                                     weights, and its consumer's staged set (heads.cpp: the
                                     one op whose sums are its own, the same on every CPU)
@@ -225,6 +228,13 @@ def op(name: str, cache_dir: Path | None = None) -> Callable:
     arguments: the module docstring, and each op's schema in its .cpp file."""
     load(cache_dir)
     return getattr(torch.ops.edge0, name)
+
+
+def token_decoder(cache_dir: Path | None = None) -> Callable:
+    """The library's edge0.TokenDecoder class (decode_ops.cpp: a decode token through every
+    layer in one call), built and loaded if need be."""
+    load(cache_dir)
+    return torch.classes.edge0.TokenDecoder
 
 
 def put_in_int8_order(codes: torch.Tensor, own: Int4Layout) -> None:

@@ -12,8 +12,13 @@
 // edge0::router_topk, edge0::softmax_topk and edge0::moe_combine: the same layer's routing
 // (the softmax families', with its own router or a prediction) and its weighted sum of
 // experts and residual.
+//
+// edge0.TokenDecoder: a decode token of one sequence through every decoder layer in one call,
+// each layer those ops in the order the engine calls them one by one, its experts taken from
+// a table of every expert's tensors given once (see the class).
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "int4_gemv.h"
@@ -341,9 +346,131 @@ std::vector<at::Tensor> router_topk(const at::Tensor& h, at::TensorList gate, do
   return {logits, routed[0], routed[1]};
 }
 
+// The arguments of one decoder layer that do not change from token to token.
+struct LayerArgs {
+  at::Tensor input_norm, post_norm;
+  double input_eps, post_eps;
+  std::vector<at::Tensor> q, k, v, o;
+  std::vector<double> lora_scale;
+  std::optional<at::Tensor> q_norm, k_norm;
+  double eps;
+  int64_t heads, kv_heads, head_dim;
+  double scale;
+  std::vector<at::Tensor> gate;
+  double gate_scale;
+  int64_t top_k;
+  bool norm_topk;
+  std::vector<at::Tensor> w13, p13, w2, p2;  // every expert's, by its index
+};
+
+// edge0.TokenDecoder: one decode token of one sequence through every decoder layer, as the
+// engine's native layers (engine/backends/native_layers.py) compute it layer by layer with
+// the ops above: attention_rows, router_topk on the layer's own router, the routed experts
+// through swiglu_int4_gemv in routing order, moe_combine. The same calls on the same tensors
+// in the same order, so the same bits; what it removes is the Python and the dispatch between
+// them, ~24 layers x 5 calls a token. Each layer is added once (`add_layer`: its weights, its
+// router and the tensors of every one of its experts, which must stay where they are: the
+// engine hands over a pool that holds every expert). `step` takes the token's embedding x
+// [1, 1, D], its rotary row and each layer's cache buffers and position, and returns the
+// last layer's output and every layer's routed experts [L, K].
+class TokenDecoder : public torch::CustomClassHolder {
+ public:
+  TokenDecoder(int64_t lanes, std::vector<int64_t> layout, int64_t isa,
+               std::vector<int64_t> expert_layout, int64_t expert_isa)
+      : lanes_(lanes),
+        layout_(std::move(layout)),
+        isa_(isa),
+        expert_layout_(std::move(expert_layout)),
+        expert_isa_(expert_isa) {}
+
+  void add_layer(at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps,
+                 std::vector<at::Tensor> q, std::vector<at::Tensor> k, std::vector<at::Tensor> v,
+                 std::vector<at::Tensor> o, std::vector<double> lora_scale,
+                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, double eps,
+                 int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
+                 std::vector<at::Tensor> gate, double gate_scale, int64_t top_k, bool norm_topk,
+                 std::vector<at::Tensor> w13, std::vector<at::Tensor> p13,
+                 std::vector<at::Tensor> w2, std::vector<at::Tensor> p2) {
+    const size_t n = w13.size();
+    TORCH_CHECK(n > 0 && p13.size() == n && w2.size() == n && p2.size() == n,
+                "a layer needs every expert's w13, p13, w2 and p2");
+    TORCH_CHECK(top_k >= 1 && top_k <= static_cast<int64_t>(n), "top_k must be 1 to ", n);
+    TORCH_CHECK(gate.size() == 1 || gate.size() == 3, "gate is [weight] or [weight, A, B]");
+    TORCH_CHECK(lora_scale.size() == 4, "one LoRA scale per projection");
+    layers_.push_back({std::move(input_norm), std::move(post_norm), input_eps, post_eps,
+                       std::move(q), std::move(k), std::move(v), std::move(o),
+                       std::move(lora_scale), std::move(q_norm), std::move(k_norm), eps, heads,
+                       kv_heads, head_dim, scale, std::move(gate), gate_scale, top_k, norm_topk,
+                       std::move(w13), std::move(p13), std::move(w2), std::move(p2)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  std::vector<at::Tensor> step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                               std::vector<int64_t> n) {
+    RECORD_FUNCTION("edge0::decode_token", std::vector<c10::IValue>());
+    const size_t layers = layers_.size();
+    TORCH_CHECK(k_caches.size() == layers && v_caches.size() == layers && n.size() == layers,
+                "one key buffer, value buffer and position per layer");
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "x must be [1, 1, D]");
+    std::vector<at::Tensor> routed_sets;
+    routed_sets.reserve(layers);
+    std::vector<at::Tensor> w13, p13, w2, p2;
+    for (size_t l = 0; l < layers; ++l) {
+      const LayerArgs& a = layers_[l];
+      std::vector<at::Tensor> xh;
+      {
+        RECORD_FUNCTION("edge0::attention_rows", std::vector<c10::IValue>());
+        xh = attention_rows(x, a.input_norm, a.input_eps, a.post_norm, a.post_eps, a.q, a.k, a.v,
+                            a.o, a.lora_scale, a.q_norm, a.k_norm, a.eps, cos, sin,
+                            {k_caches[l]}, {v_caches[l]}, {n[l]}, a.heads, a.kv_heads,
+                            a.head_dim, a.scale, lanes_, layout_, isa_);
+      }
+      const at::Tensor h = xh[1].view({1, -1});
+      std::vector<at::Tensor> route;
+      {
+        RECORD_FUNCTION("edge0::router_topk", std::vector<c10::IValue>());
+        route = router_topk(h, a.gate, a.gate_scale, a.top_k, a.norm_topk, std::nullopt);
+      }
+      const at::Tensor& indices = route[2];  // [1, K], int64
+      const int64_t* idx = indices.data_ptr<int64_t>();
+      const int64_t k = indices.numel(), experts = static_cast<int64_t>(a.w13.size());
+      w13.clear(), p13.clear(), w2.clear(), p2.clear();
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t e = idx[i];
+        TORCH_CHECK(e >= 0 && e < experts, "layer ", l, ": routed to expert ", e, " of ", experts);
+        w13.push_back(a.w13[e]), p13.push_back(a.p13[e]), w2.push_back(a.w2[e]);
+        p2.push_back(a.p2[e]);
+      }
+      const at::Tensor routed =
+          edge0::swiglu_experts(h, w13, p13, w2, p2, expert_layout_, expert_isa_);
+      {
+        RECORD_FUNCTION("edge0::moe_combine", std::vector<c10::IValue>());
+        x = moe_combine(routed.unsqueeze(0), route[1], xh[0], std::nullopt, lanes_);
+      }
+      routed_sets.push_back(indices);
+    }
+    return {x, at::cat(routed_sets)};
+  }
+
+ private:
+  int64_t lanes_;
+  std::vector<int64_t> layout_;
+  int64_t isa_;
+  std::vector<int64_t> expert_layout_;
+  int64_t expert_isa_;
+  std::vector<LayerArgs> layers_;
+};
+
 }  // namespace
 
 TORCH_LIBRARY(edge0, m) {
+  m.class_<TokenDecoder>("TokenDecoder")
+      .def(torch::init<int64_t, std::vector<int64_t>, int64_t, std::vector<int64_t>, int64_t>())
+      .def("add_layer", &TokenDecoder::add_layer)
+      .def("num_layers", &TokenDecoder::num_layers)
+      .def("step", &TokenDecoder::step);
   m.def(
       "attention_rows(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "
       "float post_eps, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, Tensor[] o_proj, "

@@ -1073,6 +1073,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return int4_gemv_each(x, {packed}, {pairs}, layout, isa)[0];
 }
 
+at::Tensor swiglu_experts(const at::Tensor& x, at::TensorList w13, at::TensorList p13,
+                          at::TensorList w2, at::TensorList p2, at::IntArrayRef layout,
+                          int64_t isa) {
+  // the row the dispatcher gives the op, also when another native op calls it
+  RECORD_FUNCTION("edge0::swiglu_int4_gemv", std::vector<c10::IValue>());
+  return swiglu_int4_gemv(x, w13, p13, w2, p2, layout, isa);
+}
+
 }  // namespace edge0
 
 TORCH_LIBRARY_FRAGMENT(edge0, m) {

@@ -18,4 +18,10 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 std::vector<at::Tensor> int4_gemv_each(const at::Tensor& x, at::TensorList packed,
                                        at::TensorList pairs, at::IntArrayRef layout, int64_t isa);
 
+// edge0::swiglu_int4_gemv: a decode token x [1, D] through its K experts (each expert's w13,
+// p13, w2 and p2), for the other native ops -> [K, D] in x's dtype.
+at::Tensor swiglu_experts(const at::Tensor& x, at::TensorList w13, at::TensorList p13,
+                          at::TensorList w2, at::TensorList p2, at::IntArrayRef layout,
+                          int64_t isa);
+
 }  // namespace edge0

@@ -145,6 +145,9 @@ class ExpertPool:
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._entries: OrderedDict[tuple[int, int], Entry] = OrderedDict()  # LRU first
         self._pinned = 0  # entries with pins > 0, so available() is O(1)
+        # entries that left the pool (evicted, failed, cleared): whoever keeps slot views
+        # beyond a request (engine/backends/native_token.py) takes them again when it moves
+        self.changes = 0
         self._lock = threading.Lock()
         # readers convert what they read with torch ops: one intra-op thread each (threads.py)
         self._io = single_threaded_pool(io_threads, "edge0-io")
@@ -265,6 +268,27 @@ class ExpertPool:
             self.stats.hits += len(present) if uses is None else uses
         return [en.tensors for en in present]
 
+    def every_expert(self, layers: int, n: int) -> list[list[ExpertTensors]] | None:
+        """The tensors of every expert of layers 0..layers-1 (n each), by layer and expert, if
+        every one is loaded; else None. Nothing is pinned: the caller keeps them while
+        `changes` stays as it was (no entry left the pool, so no slot was reused)."""
+        with self._lock:
+            if len(self._entries) < layers * n:
+                return None
+            get = self._entries.get
+            out = []
+            for layer in range(layers):
+                present = [get((layer, e)) for e in range(n)]
+                if None in present or not all(en.loaded for en in present):
+                    return None
+                out.append([en.tensors for en in present])
+        return out
+
+    def count_hits(self, n: int) -> None:
+        """n lookups that found their expert loaded, made without the pool (every_expert)."""
+        with self._lock:
+            self.stats.hits += n
+
     def _pin(self, keys: list[tuple[int, int]]) -> tuple[list[Entry], list[Entry]]:
         """Under the lock: pin keys, creating entries (and taking slots) for missing ones.
 
@@ -313,6 +337,7 @@ class ExpertPool:
             if entry.pins == 0 and entry.future.done():
                 del self._entries[key]
                 self.stats.evictions += 1
+                self.changes += 1
                 return entry.slot
         raise AssertionError("request() checked capacity before taking slots")
 
@@ -374,6 +399,7 @@ class ExpertPool:
         with self._lock:
             if self._entries.get(entry.key) is entry:
                 del self._entries[entry.key]
+                self.changes += 1
                 self._pinned -= entry.pins > 0
                 entry.pins = 0
                 self._free.append(entry.slot)
@@ -397,6 +423,7 @@ class ExpertPool:
                 if en.pins == 0:
                     del self._entries[key]
                     self._free.append(en.slot)
+                    self.changes += 1
 
     def close(self) -> None:
         self._io.shutdown(wait=True)

@@ -122,6 +122,12 @@ class Backend:
         """Stand-ins for the decoder layers this backend computes at decode (Forward.layers)."""
         return {}
 
+    def token_decoder(self, model: nn.Module, layers: dict, pool, experts: ExpertOps):
+        """What decodes one request's token through every layer in one call, where the
+        engine's pool holds every expert and no prerouter runs (native_token.py); None: the
+        layers one by one."""
+        return None
+
     def attend_rows(self) -> Callable | None:
         """A batched decode step's attention, row by row in one call (RowsForward)."""
         return None

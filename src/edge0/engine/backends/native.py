@@ -18,6 +18,7 @@ from torch import nn
 from edge0 import native
 from edge0.engine.backends.base import Backend, ExpertOps, Group
 from edge0.engine.backends.native_layers import native_layers
+from edge0.engine.backends.native_token import NativeToken
 from edge0.formats.extents import ExpertTensors, ExtentLayout
 from edge0.formats.int4_layout import Int4Layout
 
@@ -95,6 +96,11 @@ class NativeBackend(Backend):
 
     def layers(self, model: nn.Module) -> dict[int, Callable]:
         return native_layers(model, self.options.cache_dir, self.int8)
+
+    def token_decoder(self, model: nn.Module, layers: dict, pool, experts: ExpertOps):
+        if not isinstance(experts, NativeExperts) or not NativeToken.servable(model, layers):
+            return None
+        return NativeToken(model, layers, pool, experts.layout, experts.isa, self.options.cache_dir)
 
     def attend_rows(self) -> Callable:
         return native.op("attend_rows", self.options.cache_dir)

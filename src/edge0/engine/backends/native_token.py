@@ -1,0 +1,124 @@
+"""A decode token of one request through every decoder layer in one native call.
+
+The native layers (native_layers.py) remove the ATen ops inside a layer, but a token still
+makes ~5 op calls a layer with Python between them: the stand-in's call and its argument
+checks, the MoE block's hooks, the executor, the pool's lookup, the weighted sum. On the
+bench shape that was ~4 ms of a ~19 ms step (`bench --profile`). `edge0.TokenDecoder`
+(decode_ops.cpp) makes the same calls on the same tensors in the same order, every layer in
+one call, so it computes the same bits; Python runs once a token: the embedding, the rotary
+row, the final norm and the LM head, as the model's own forward runs them.
+
+It serves a step the engine would take through the exact path with every layer a native
+layer: no prerouter (every layer routes by its own router), an MoE block in every layer
+with softmax top-k routing on a float router in the activations' dtype and no shared
+expert, full rotary of one head size, a float cache of one request, and a pool that holds
+every expert of every layer, all loaded (the decoder keeps a table of their tensors). Any
+other step returns None and the caller takes the per-layer path. The decoder is built again
+when a projection, the router, an adapter's switch or the pool's slots change.
+
+Shape legend: L decoder layers, K active, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from edge0 import native
+from edge0.engine.backends.native_layers import NativeLayer
+from edge0.models.layers import KVCache
+from edge0.store.pool import ExpertPool
+
+
+class NativeToken:
+    """One request's decode token through every layer in one call (see the module
+    docstring); `layers` are the native backend's stand-ins, `layout` and `isa` its expert
+    ops' (the pool's arrangement and the kernel path)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: dict[int, NativeLayer],
+        pool: ExpertPool,
+        layout: list[int],
+        isa: int,
+        cache_dir=None,
+    ):
+        self.model, self.pool, self.layout, self.isa = model, pool, layout, isa
+        self.stand_ins = [layers[i] for i in range(len(model.backbone.layers))]
+        self.num_experts = model.config.num_experts
+        self.head_dim = self.stand_ins[0].mixer.head_dim
+        self._decoder_class = native.token_decoder(cache_dir)
+        self._key: tuple | None = None
+        self._decoder = None
+
+    @staticmethod
+    def servable(model: nn.Module, layers: dict[int, NativeLayer]) -> bool:
+        """Whether every decoder layer is a native one the token op can take (as built)."""
+        stand_ins = [layers.get(i) for i in range(len(model.backbone.layers))]
+        if not stand_ins or None in stand_ins:
+            return False
+        head_dims = {s.mixer.head_dim for s in stand_ins}
+        return len(head_dims) == 1 and all(
+            s.is_moe and s.route is not None and s.mlp.shared_name is None for s in stand_ins
+        )
+
+    def _built(self, dtype: torch.dtype):
+        """The decoder for the layers' arguments now, built again where one changed (a
+        projection, an adapter's switch, the router, the pool's slots); None where the op
+        cannot take them or the pool does not hold every expert loaded."""
+        args = [s._static() for s in self.stand_ins]
+        gates = [s.route._router() for s in self.stand_ins]
+        top_k = [s.mlp.top_k for s in self.stand_ins]
+        key = (self.pool.changes, *map(id, args), *map(id, gates), *top_k)
+        if key == self._key:
+            return self._decoder
+        if None in args or None in gates:
+            return None
+        if any(a[0] != dtype or g[0][0].dtype != dtype for a, g in zip(args, gates, strict=True)):
+            return None
+        views = self.pool.every_expert(len(self.stand_ins), self.num_experts)
+        if views is None:
+            return None  # not yet every expert loaded: not a key, try again next step
+        first = self.stand_ins[0]
+        decoder = self._decoder_class(first.lanes, first.layout, first.isa, self.layout, self.isa)
+        for s, (_, head, one, _), (gate, gate_scale), experts in zip(
+            self.stand_ins, args, gates, views, strict=True
+        ):
+            heads, kv_heads, head_dim, scale = one[:4]
+            decoder.add_layer(
+                *head,
+                heads,
+                kv_heads,
+                head_dim,
+                scale,
+                gate,
+                gate_scale,
+                s.mlp.top_k,
+                s.route.norm,
+                *([getattr(t, f) for t in experts] for f in ("w13", "p13", "w2", "p2")),
+            )
+        self._key, self._decoder = key, decoder
+        return decoder
+
+    def __call__(self, cache: KVCache, token: int) -> torch.Tensor | None:
+        """The next logits [1, V] after `token`, written into `cache`; None (nothing done)
+        where the op does not serve this step."""
+        if type(cache) is not KVCache or cache.quantized or cache.k[0].shape[0] != 1:
+            return None
+        model = self.model
+        backbone = model.backbone
+        x = backbone.embedding()(torch.tensor([[token]], dtype=torch.long))
+        decoder = self._built(x.dtype)
+        if decoder is None:
+            return None
+        cos, sin = model.rotary(cache.positions(1), x.dtype)
+        if cos.shape[-1] != self.head_dim:
+            return None
+        slots = [cache.slot(i, 1) for i in range(len(self.stand_ins))]
+        n = list(cache.length)
+        x, routed = decoder.step(x, cos, sin, [s[0] for s in slots], [s[1] for s in slots], n)
+        for i in range(len(n)):
+            cache.length[i] = n[i] + 1
+        self.pool.count_hits(routed.numel())  # as the exact path's lookups count them
+        return model.logits(backbone.norm(x))[:, -1]

@@ -1,0 +1,121 @@
+"""A decode token through every layer in one native call (edge0.TokenDecoder): the same
+logits and routing as the native layers one by one, bit for bit; built again when the pool's
+slots or an adapter change; not used where a step is not one it computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edge0 import builtin
+from edge0.convert.synth import Shape, synth
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
+from edge0.models import lora
+
+pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
+
+
+@pytest.fixture(scope="module")
+def int4_model(tmp_path_factory):
+    """A random qwen3_moe with int4 resident projections and q/k norms per head."""
+    shape = Shape(
+        layers=3, hidden=256, heads=4, kv_heads=2, experts=8, top_k=2, expert_width=128, vocab=512
+    )
+    out = tmp_path_factory.mktemp("token") / "m"
+    return synth(out, shape, tokenizer_dir=builtin.model_dir(), progress=False)
+
+
+def greedy(engine, one_call: bool, steps: int = 10, prompt: str = "def f(x):"):
+    """Prefill and `steps` greedy decode steps, through the token op or (one_call False) the
+    native layers one by one -> (logits [steps + 1, V], pool hits during decode)."""
+    token = engine.token
+    if not one_call:
+        engine.token = None
+    try:
+        with engine.new_request() as req:
+            logits = [engine.prefill(req, engine.tokenizer.encode(prompt))]
+            hits = engine.pool.stats.hits
+            for _ in range(steps):
+                logits.append(engine.step(req, int(logits[-1].argmax())))
+            return torch.stack(logits), engine.pool.stats.hits - hits
+    finally:
+        engine.token = token
+
+
+@pytest.mark.parametrize(
+    "dtype, acts",
+    [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.float32, "int8")],
+    ids=["fp32", "bf16", "int8"],
+)
+def test_one_call_a_token_is_the_native_layers_bit_for_bit(int4_model, dtype, acts):
+    opts = EngineOptions(io_mode="buffered", backend="native", dtype=dtype, int4_activations=acts)
+    engine = load_engine(int4_model, opts)
+    try:
+        assert engine.token is not None
+        one, hits_one = greedy(engine, True)
+        assert engine.token._decoder is not None  # it served the steps
+        layers, hits_layers = greedy(engine, False)
+        assert torch.equal(one, layers)
+        assert hits_one == hits_layers == 10 * 3 * 2  # steps x layers x K
+    finally:
+        engine.close()
+
+
+def test_the_built_in_model_decodes_the_same_in_one_call():
+    """Float projections under the recovery LoRA; then with the adapters switched off the
+    decoder is built again and still computes what the layers do."""
+    engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered", backend="native"))
+    try:
+        assert engine.prerouter is None and engine.token is not None  # every expert fits
+        one, _ = greedy(engine, True)
+        first = engine.token._decoder
+        assert torch.equal(one, greedy(engine, False)[0])
+        lora.set_enabled(engine.model, False)
+        off, _ = greedy(engine, True)
+        assert engine.token._decoder is not first
+        assert torch.equal(off, greedy(engine, False)[0])
+        assert not torch.equal(off, one)  # the adapters did change the logits
+    finally:
+        engine.close()
+
+
+def test_a_pool_that_lost_entries_is_taken_again(int4_model):
+    """Clearing the pool frees every slot; the next reads may land anywhere, so the decoder's
+    table of expert tensors is made again, and the logits do not change."""
+    engine = load_engine(int4_model, EngineOptions(io_mode="buffered", backend="native"))
+    try:
+        before, _ = greedy(engine, True)
+        first = engine.token._decoder
+        engine.pool.clear()
+        # until every expert is back, steps take the layers (and read what they route to)
+        partial, _ = greedy(engine, True, steps=2)
+        assert torch.equal(partial, before[:3])
+        engine.preload_experts()
+        again, _ = greedy(engine, True)
+        assert engine.token._decoder is not first
+        assert torch.equal(again, before)
+    finally:
+        engine.close()
+
+
+def test_steps_it_does_not_compute_take_the_layers(int4_model):
+    """A staged prerouter, or a pool that cannot hold every expert, never builds it."""
+    # four of this shape's 57,344-byte extents: one layer's top-2 fits, not every expert
+    capped = EngineOptions(io_mode="buffered", backend="native", expert_cache=4 * 57344)
+    engine = load_engine(int4_model, capped)
+    try:
+        assert not engine.plan.holds_every_expert and engine.token is None
+    finally:
+        engine.close()
+    staged = EngineOptions(io_mode="buffered", backend="native", prerouter_always=True)
+    engine = load_engine(builtin.model_dir(), staged)
+    try:
+        assert engine.prerouter is not None and engine.token is None
+    finally:
+        engine.close()
+    engine = load_engine(int4_model, EngineOptions(io_mode="buffered", backend="torch"))
+    try:
+        assert engine.token is None
+    finally:
+        engine.close()
