@@ -35,7 +35,7 @@ CATEGORIES = [
     # norms, rotary and residual loops and the ATen ops they call are profiled as themselves
     ("int4 matmul kernel", True, ("_weight_int4pack_mm", "edge0::int4_gemv", "edge0::swiglu")),
     ("dense matmul", True, ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "linear")),
-    ("attention (sdpa)", True, ("scaled_dot_product", "_flash_attention")),
+    ("attention (sdpa)", True, ("scaled_dot_product", "_flash_attention", "decode_attention")),
     ("norms", False, ("rms_norm", "aten::pow", "aten::mean", "aten::rsqrt", "layer_norm")),
     ("routing: softmax, top-k, one-hot", False, ("topk", "softmax", "sort", "one_hot", "scatter")),
     ("dtype casts, copies", False, ("aten::to", "_to_copy", "copy_", "contiguous", "clone")),
@@ -45,7 +45,11 @@ CATEGORIES = [
         False,
         ("silu", "mul", "add", "sigmoid", "div", "neg", "rotary", "residual", "moe_combine"),
     ),
-    ("the native layer op's own work (checks, conversions)", False, ("edge0::attention_rows",)),
+    (
+        "the native layer op's own work (checks, conversions)",
+        False,
+        ("edge0::attention_rows", "edge0::decode_token"),
+    ),
 ]
 # views and allocations, by exact name (short names like aten::t would match others)
 VIEWS = "views, reshapes, allocations"

@@ -66,9 +66,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("decode_ops.cpp", "heads.cpp", "int4_gemv.cpp", "norms.cpp")
+    for n in ("attention.cpp", "decode_ops.cpp", "heads.cpp", "int4_gemv.cpp", "norms.cpp")
 ]
-HEADERS = [Path(__file__).with_name(n) for n in ("int4_gemv.h", "norms.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("attention.h", "int4_gemv.h", "norms.h")]
 ISA_PATHS = ("portable", "avx2", "avx512")  # int4_gemv.cpp's paths, by their code
 INT8 = 16  # added to a path's code: its int8-activation kernel (int4_gemv.cpp, Path)
 # heads.cpp computes the same bits on each of its paths: it takes the widest the CPU has

@@ -21,6 +21,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "attention.h"
 #include "int4_gemv.h"
 #include "norms.h"
 
@@ -30,6 +31,13 @@
 namespace {
 
 using edge0::floats;
+
+// From this many positions a decode token attends with edge0's own kernel (attention.cpp),
+// which reads the cache as stored, once per kv head; below it, with ATen's SDPA, whose bits
+// the module path's are. Where they cross on the bench shape: docs/kernels.md.
+constexpr int64_t kNativeAttentionFrom = 256;
+
+int64_t native_attention_from() { return kNativeAttentionFrom; }
 
 // Projections as models/int4.py Int4Linear, nn.Linear and lora.py LoraLinear compute them.
 // Each `p`: [packed, pairs] (int4) or [weight] (float), then [lora_A, lora_B] if it has an
@@ -211,9 +219,18 @@ std::vector<at::Tensor> attention_rows(
   std::vector<at::Tensor> outs;
   outs.reserve(rows);
   for (int64_t b = 0; b < rows; ++b) {
+    const int64_t len = n[b] + 1;
+    if (len >= kNativeAttentionFrom && head_dim % 16 == 0 && head_dim <= 512) {
+      // q's floats are what SDPA would take (under bf16 they are bf16 values already)
+      at::Tensor o = at::empty({heads, head_dim}, x.options().dtype(at::kFloat));
+      edge0::decode_attention(q.narrow(0, b * heads, heads), k_caches[b], v_caches[b], len,
+                              scale, isa % 16, o);
+      outs.push_back((bf16 ? o.to(dtype) : o).view({1, heads, 1, head_dim}));
+      continue;
+    }
     outs.push_back(at::scaled_dot_product_attention(
-        qs.narrow(0, b, 1), k_caches[b].narrow(2, 0, n[b] + 1).to(dtype),
-        v_caches[b].narrow(2, 0, n[b] + 1).to(dtype), std::nullopt, 0.0, false, scale,
+        qs.narrow(0, b, 1), k_caches[b].narrow(2, 0, len).to(dtype),
+        v_caches[b].narrow(2, 0, len).to(dtype), std::nullopt, 0.0, false, scale,
         kv_heads != heads));
   }
   const at::Tensor out = rows == 1 ? outs[0] : at::cat(outs);
@@ -477,6 +494,7 @@ TORCH_LIBRARY(edge0, m) {
       "float[] lora_scale, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] n, int heads, int kv_heads, "
       "int head_dim, float scale, int lanes, int[] layout, int isa) -> Tensor[]");
+  m.def("native_attention_from() -> int", &native_attention_from);
   m.def(
       "moe_combine(Tensor routed, Tensor weights, Tensor x, Tensor? shared, int lanes) -> "
       "Tensor");
