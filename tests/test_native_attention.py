@@ -93,13 +93,7 @@ def long_model(tmp_path_factory):
         layers=2, hidden=256, heads=4, kv_heads=2, experts=8, top_k=2, expert_width=128, vocab=512
     )
     out = tmp_path_factory.mktemp("long") / "m"
-    path = synth(out, shape, tokenizer_dir=builtin.model_dir(), progress=False)
-    # The first engine a process loads from a fresh cache folder decoded this model to other
-    # logits (one bf16 step apart, from the first step on) in about one run in four, and every
-    # later engine alike; not yet explained (it is not the attention: the step that differed
-    # attends with SDPA). The comparisons below are between later engines.
-    load_engine(path, EngineOptions(io_mode="buffered")).close()
-    return path
+    return synth(out, shape, tokenizer_dir=builtin.model_dir(), progress=False)
 
 
 def long_decode(path, backend: str, one_call: bool = True, steps: int = 6):

@@ -33,7 +33,7 @@ from edge0.engine.backends import BackendUnavailable
 from edge0.formats.int4_layout import LAYOUTS
 from edge0.formats.integrity import ModelDataError
 from edge0.models.layers import KV_DTYPES
-from edge0.util import malloc, memory
+from edge0.util import malloc, memory, threads
 
 log = logging.getLogger("edge0")
 
@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     malloc.tune_malloc()
+    threads.resolve_vector_math()  # before any command's first parallel op
     try:
         return args.func(args)
     except USER_ERRORS as e:

@@ -23,7 +23,7 @@ from edge0.prerouter.runtime import PrerouterRuntime
 from edge0.store.expert_file import ExpertFile
 from edge0.store.pool import ExpertPool
 from edge0.store.relayout import experts_for_host
-from edge0.util import memory
+from edge0.util import memory, threads
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ def load_engine(path: Path | str | ModelDir, options: EngineOptions | None = Non
     """Load an edge0 directory for serving: plan, backend, model, adapters, expert pool, heads.
     `path` may be a ModelDir already opened with the adapters `options` serve."""
     opts = options or EngineOptions()
+    threads.resolve_vector_math()
     if opts.int4_activations not in INT4_ACTIVATIONS:
         raise ValueError(
             f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}: "
