@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from edge0 import builtin, native
 from edge0.convert import convert
-from edge0.convert.synth import Shape, synth
 from edge0.engine import backends
 from edge0.engine.backends import native_layers
 from edge0.engine.backends.base import ExpertOps
@@ -678,16 +677,6 @@ def test_the_norms_sum_width_is_checked_not_assumed():
         assert torch.equal(native.op("rms_norm")(x, norm.weight, 1e-6, other), ref) == (
             other == lanes
         )
-
-
-@pytest.fixture(scope="module")
-def int4_model(tmp_path_factory):
-    """A random qwen3_moe with int4 resident projections (the default format)."""
-    shape = Shape(
-        layers=3, hidden=256, heads=4, kv_heads=2, experts=8, top_k=2, expert_width=128, vocab=512
-    )
-    out = tmp_path_factory.mktemp("int4") / "m"
-    return synth(out, shape, tokenizer_dir=builtin.model_dir(), progress=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from edge0 import builtin, native
-from edge0.convert.synth import Shape, synth
+from edge0 import native
 from edge0.engine.load import load_engine
 from edge0.engine.options import EngineOptions
 
@@ -86,16 +85,6 @@ def test_bad_arguments_are_refused():
         torch.ops.edge0.decode_attention(torch.zeros(4, 40), odd, odd, 4, 1.0, 0)
 
 
-@pytest.fixture(scope="module")
-def long_model(tmp_path_factory):
-    """A random qwen3_moe whose decode reaches past the native attention's start."""
-    shape = Shape(
-        layers=2, hidden=256, heads=4, kv_heads=2, experts=8, top_k=2, expert_width=128, vocab=512
-    )
-    out = tmp_path_factory.mktemp("long") / "m"
-    return synth(out, shape, tokenizer_dir=builtin.model_dir(), progress=False)
-
-
 def long_decode(path, backend: str, one_call: bool = True, steps: int = 6):
     """Logits of `steps` greedy decode steps after a prompt that ends 2 positions before the
     native attention's start (so steps cross it), and how many times the steps called it."""
@@ -119,18 +108,18 @@ def long_decode(path, backend: str, one_call: bool = True, steps: int = 6):
         engine.close()
 
 
-def test_decode_past_the_start_is_the_module_paths_within_the_tolerance(long_model):
+def test_decode_past_the_start_is_the_module_paths_within_the_tolerance(int4_model):
     """Below the start the native layers are the module path bit for bit (test_native.py);
     from it on, within the attention's tolerance: the logits' largest difference is under
     1e-5 of their largest, and greedy decoding picks the same tokens. The token op and the
     layers one by one agree bit for bit on both sides."""
     native.load()
-    fused, calls = long_decode(long_model, "native")
-    # step 0 attends over start - 1 positions (SDPA), steps 1-5 over start.. (ours), 2 layers
-    assert calls == 5 * 2
-    layers, calls = long_decode(long_model, "native", one_call=False)
-    assert calls == 5 * 2 and torch.equal(fused, layers)
-    reference, calls = long_decode(long_model, "torch")
+    fused, calls = long_decode(int4_model, "native")
+    # step 0 attends over start - 1 positions (SDPA), steps 1-5 over start.. (ours), 3 layers
+    assert calls == 5 * 3
+    layers, calls = long_decode(int4_model, "native", one_call=False)
+    assert calls == 5 * 3 and torch.equal(fused, layers)
+    reference, calls = long_decode(int4_model, "torch")
     assert calls == 0
     assert torch.equal(fused[:1], reference[:1])
     top = reference.abs().max().item()

@@ -8,22 +8,11 @@ import pytest
 import torch
 
 from edge0 import builtin
-from edge0.convert.synth import Shape, synth
 from edge0.engine.load import load_engine
 from edge0.engine.options import EngineOptions
 from edge0.models import lora
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
-
-
-@pytest.fixture(scope="module")
-def int4_model(tmp_path_factory):
-    """A random qwen3_moe with int4 resident projections and q/k norms per head."""
-    shape = Shape(
-        layers=3, hidden=256, heads=4, kv_heads=2, experts=8, top_k=2, expert_width=128, vocab=512
-    )
-    out = tmp_path_factory.mktemp("token") / "m"
-    return synth(out, shape, tokenizer_dir=builtin.model_dir(), progress=False)
 
 
 def greedy(engine, one_call: bool, steps: int = 10, prompt: str = "def f(x):"):
