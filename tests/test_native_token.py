@@ -108,3 +108,18 @@ def test_steps_it_does_not_compute_take_the_layers(int4_model):
         assert engine.token is None
     finally:
         engine.close()
+
+
+def test_closing_the_engine_lets_the_pools_memory_go(int4_model):
+    """The decoder's table holds views of every slot; a closed engine drops it, so nothing
+    keeps the pool's mapping alive."""
+    import gc
+    import weakref
+
+    engine = load_engine(int4_model, EngineOptions(io_mode="buffered", backend="native"))
+    greedy(engine, True, steps=2)
+    assert engine.token._decoder is not None
+    mem = weakref.ref(engine.pool._slots)  # the tensor over the pool's mapping
+    engine.close()
+    gc.collect()
+    assert engine.token is None and mem() is None

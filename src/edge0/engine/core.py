@@ -326,6 +326,7 @@ class Engine:
         return self.scheduler(max_active=1).generation(prompt, max_tokens, sampling)
 
     def close(self) -> None:
+        self.token = None  # its table of expert views keeps the pool's memory alive
         if self.prerouter is not None:
             self.prerouter.close()
         self.pool.close()
