@@ -421,8 +421,6 @@ class TokenDecoder : public torch::CustomClassHolder {
                        std::move(w13), std::move(p13), std::move(w2), std::move(p2)});
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   std::vector<at::Tensor> step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                                std::vector<int64_t> n) {
@@ -486,7 +484,6 @@ TORCH_LIBRARY(edge0, m) {
   m.class_<TokenDecoder>("TokenDecoder")
       .def(torch::init<int64_t, std::vector<int64_t>, int64_t, std::vector<int64_t>, int64_t>())
       .def("add_layer", &TokenDecoder::add_layer)
-      .def("num_layers", &TokenDecoder::num_layers)
       .def("step", &TokenDecoder::step);
   m.def(
       "attention_rows(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "

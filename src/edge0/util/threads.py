@@ -26,6 +26,7 @@ later is not left with one.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -81,6 +82,7 @@ def _one_thread(ready: threading.Barrier) -> None:
     ready.wait()
 
 
+@functools.cache  # once a process: the CLI and load_engine both call it
 def resolve_vector_math() -> None:
     """Call torch's vectorized transcendental functions once each, on a few values, on this
     thread alone, before any parallel op uses them.

@@ -47,7 +47,6 @@ class NativeToken:
         self.model, self.pool, self.layout, self.isa = model, pool, layout, isa
         self.stand_ins = [layers[i] for i in range(len(model.backbone.layers))]
         self.num_experts = model.config.num_experts
-        self.head_dim = self.stand_ins[0].mixer.head_dim
         self._decoder_class = native.token_decoder(cache_dir)
         self._key: tuple | None = None
         self._decoder = None
@@ -58,8 +57,9 @@ class NativeToken:
         stand_ins = [layers.get(i) for i in range(len(model.backbone.layers))]
         if not stand_ins or None in stand_ins:
             return False
+        # full rotary of one head size: the rotary row of a token is every layer's
         head_dims = {s.mixer.head_dim for s in stand_ins}
-        return len(head_dims) == 1 and all(
+        return head_dims == {model.rotary.rotary_dim} and all(
             s.is_moe and s.route is not None and s.mlp.shared_name is None for s in stand_ins
         )
 
@@ -113,8 +113,6 @@ class NativeToken:
         if decoder is None:
             return None
         cos, sin = model.rotary(cache.positions(1), x.dtype)
-        if cos.shape[-1] != self.head_dim:
-            return None
         slots = [cache.slot(i, 1) for i in range(len(self.stand_ins))]
         n = list(cache.length)
         x, routed = decoder.step(x, cos, sin, [s[0] for s in slots], [s[1] for s in slots], n)
