@@ -498,10 +498,10 @@ def test_int8_activations_are_checked_and_the_torch_path_is_bf16():
         engine.close()
 
 
-def rows_logits(engine, steps: int = 6) -> list[torch.Tensor]:
+def rows_logits(engine, steps: int = 6, alone: bool = False) -> list[torch.Tensor]:
     """step_rows of three requests at different positions (one its first decode token after a
-    one-token prompt), greedy: every row's logits of every step. (Token ids past a small
-    vocabulary wrap around.)"""
+    one-token prompt), greedy: every row's logits of every step (`alone`: each request's own
+    step instead). (Token ids past a small vocabulary wrap around.)"""
     tok, vocab = engine.tokenizer, engine.model.config.vocab_size
     texts = ["def read_config(path):", "import os\n" * 9]
     prompts = [[t % vocab for t in tok.encode(text)] for text in texts] + [[7]]
@@ -511,13 +511,32 @@ def rows_logits(engine, steps: int = 6) -> list[torch.Tensor]:
         tokens = [int(x.argmax()) for x in first]
         out = []
         for _ in range(steps):
-            step = engine.step_rows(reqs, tokens)
+            if alone:
+                step = [engine.step(r, t) for r, t in zip(reqs, tokens, strict=True)]
+            else:
+                step = engine.step_rows(reqs, tokens)
             tokens = [int(x.argmax()) for x in step]
             out += step
         return out
     finally:
         for r in reqs:
             r.release()
+
+
+def lm_head_inputs(engine, alone: bool = False) -> list[torch.Tensor]:
+    """rows_logits's steps: every row's input to the LM head, one [D] each."""
+    seen, logits = [], engine.model.logits
+
+    def lm_head(x):
+        seen.append(x.reshape(-1, x.shape[-1]).clone())
+        return logits(x)
+
+    engine.model.logits = lm_head
+    try:
+        rows_logits(engine, alone=alone)
+    finally:
+        del engine.model.logits
+    return [row for x in seen for row in x]
 
 
 def test_a_batched_steps_attention_is_the_module_paths_bit_for_bit():
@@ -550,12 +569,13 @@ def test_a_batched_steps_layers_are_the_module_paths_bit_for_bit(
     int4_model, model, dtype, activations
 ):
     """A batched step's decoder layers through the native ops (attention_rows for every row's
-    norms and attention, then the block's routing and experts for all rows) and through the
-    modules' own forwards: the same logits, bit for bit, on the built-in model (float
-    projections under LoRA, predictions as routing) and on one with int4 q/k/v/o and q/k norm
-    per head, in either compute dtype. (With int8 activations the rows' projections take the
-    int8 kernel each row's own step takes, which the module path has not:
-    tests/test_scheduling.py holds a row stepped with others to its own step.)"""
+    norms and attention, then the block's routing and experts for all rows) compute each row
+    as the modules' own forwards compute that row's step alone: the same input to the LM
+    head, bit for bit, on the built-in model (float projections under LoRA, predictions as
+    routing) and on one with int4 q/k/v/o and q/k norm per head, in either compute dtype.
+    (With int8 activations the rows' projections take the int8 kernel each row's own step
+    takes, which the module path has not: tests/test_scheduling.py holds a row stepped with
+    others to its own step.)"""
     path = builtin.model_dir() if model == "builtin" else int4_model
     opts = EngineOptions(
         io_mode="buffered",
@@ -577,11 +597,13 @@ def test_a_batched_steps_layers_are_the_module_paths_bit_for_bit(
                 return op(x, *args)
 
             layer.op = counted
-        native_rows = rows_logits(engine)
+        native_rows = lm_head_inputs(engine)
         assert calls == [3] * len(layers) * 6
-        engine.layers = {}
-        reference = rows_logits(engine)
-        engine.layers = layers
+        engine.layers, token = {}, engine.token
+        engine.token = None  # the module path's step: no token decoder either
+        reference = lm_head_inputs(engine, alone=True)
+        engine.layers, engine.token = layers, token
+        assert len(native_rows) == len(reference) == 3 + 3 * 6  # the prompts, then the steps
         assert all(torch.equal(a, b) for a, b in zip(native_rows, reference, strict=True))
     finally:
         engine.close()

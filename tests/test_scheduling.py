@@ -35,6 +35,7 @@ from edge0.server.arrivals import Arrivals
 from edge0.server.worker import Done, Job, Token, Worker
 from edge0.util.memory import MachineMemory
 from edge0.util.threads import single_threaded_pool
+from helpers import make_hf_model
 from test_families import make_checkpoint
 from test_server import live_server, make_chat_model
 
@@ -902,37 +903,61 @@ def test_eight_concurrent_requests_are_not_held_behind_a_long_one(server):
     assert max(firsts) < long["total_s"] / 4  # they did not wait for it
 
 
-@pytest.mark.parametrize("name", ["builtin", "int4 floor"])
-def test_with_int8_activations_a_row_stepped_with_others_uses_its_own_kernel(tmp_path, name):
-    """With --int4-activations int8 a batched step's rows go through the int8 kernels, the
-    attention projections' (of a model whose floor is int4) as well as the experts', as each
-    row's step alone does: one row is its own step bit for bit, and with three rows (the
-    router, the LM head and the dense parts as matmuls over 3 rows) every logit stays within
-    one int8 step (2^-7) of the largest."""
+@pytest.mark.parametrize("activations", ["int8", "bf16"])
+@pytest.mark.parametrize("name", ["builtin", "int4 floor", "shared expert, dense layer"])
+def test_a_row_stepped_with_others_is_its_own_step_up_to_the_lm_head(tmp_path, name, activations):
+    """Where every layer is a native one, a batched step computes each row's layers as that
+    row's step alone does: its router, adapters, float projections and shared expert on the
+    row alone, its int4 projections (an int4 floor's too) on the kernel its step takes. So the
+    LM head's input is the row's own step's bit for bit, with either activations (with int8 a
+    product over several rows, ~1e-7 off, would move an activation's int8 code by a whole
+    step), and the logits differ only by the LM head's rounding over several rows."""
     path = builtin.model_dir()
-    if name == "int4 floor":
-        make_checkpoint(tmp_path / "hf", "mixtral")
-        convert(tmp_path / "hf", tmp_path / "e0", progress=False)  # int4 projections
+    if name != "builtin":
+        if name == "int4 floor":
+            make_checkpoint(tmp_path / "hf", "mixtral")
+        else:  # a gated shared expert, layer 1 a dense MLP
+            make_hf_model(tmp_path / "hf", "qwen2_moe", qkv_bias=False, mlp_only_layers=[1])
+        convert(tmp_path / "hf", tmp_path / "e0", progress=False)
         path = tmp_path / "e0"
-    opts = EngineOptions(io_mode="buffered", max_active=4, max_context=256, int4_activations="int8")
+    opts = EngineOptions(
+        io_mode="buffered", max_active=4, max_context=256, int4_activations=activations
+    )
     engine = load_engine(path, opts)
+    seen, logits = [], engine.model.logits
+
+    def lm_head(x):
+        seen.append(x.clone())
+        return logits(x)
+
+    engine.model.logits = lm_head
     try:
+        assert engine.layers and len(engine.layers) == len(engine.model.backbone.layers)
         if name == "int4 floor":  # the layer op serves its int4 projections
-            assert engine.layers and all(
-                n.rows_kernel[1] >= native.INT8 for n in engine.layers.values()
-            )
+            int8 = activations == "int8"
+            assert all((n.rows_kernel[1] >= native.INT8) == int8 for n in engine.layers.values())
+        if name.startswith("shared"):
+            blocks = [n.mlp for n in engine.layers.values()]
+            assert any(b.is_moe is False for b in engine.layers.values())
+            assert any(getattr(b, "gated_shared", False) for b in blocks)
         prompts = three_prompts(engine)
         for rows in (1, 3):
             batched, alone = twice_prefilled(engine, prompts[:rows])
             tokens = [5, 6, 7][:rows]
             for _ in range(6):
+                seen.clear()
                 together = engine.step_rows(batched, tokens)
                 solo = [engine.step(req, t) for req, t in zip(alone, tokens, strict=True)]
-                for got, want in zip(together, solo, strict=True):
+                rows_in, solo_in = seen[0].reshape(rows, -1), seen[1:]
+                assert len(solo_in) == rows
+                for i, (got, want) in enumerate(zip(together, solo, strict=True)):
+                    assert torch.equal(rows_in[i], solo_in[i].reshape(-1))
                     if rows == 1:
                         assert torch.equal(got, want)
-                    assert float((got - want).abs().max() / want.abs().max()) <= 2**-7
+                    assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
                 tokens = [int(s.argmax()) for s in solo]
+            assert [r.tokens for r in batched] == [r.tokens for r in alone]
+            assert [staged_keys(r) for r in batched] == [staged_keys(r) for r in alone]
             for req in batched + alone:
                 req.release()
         assert engine.pool.available() == engine.pool.num_slots

@@ -272,11 +272,12 @@ class Engine:
     @torch.inference_mode()
     def step_rows(self, reqs: list[Request], tokens: list[int]) -> list[torch.Tensor]:
         """One decode step of several requests in one forward, each with its own token,
-        state, predictions and staged experts; returns each one's next logits [V]. Dense
-        layers, norms, routers and the LM head run once over all rows; attention and each
-        row's experts run per row (decode.step_rows). A row's logits are its step()'s up to
-        the rounding of a matmul over several rows: the int4 kernel rounds activations to
-        bf16, so they agree to about one bf16 step of the largest logit."""
+        state, predictions and staged experts; returns each one's next logits [V]. The LM
+        head runs once over all rows; attention and each row's experts run per row
+        (decode.step_rows). Where every layer is a native one (native_layers.py) a row's
+        layers give its step()'s bits and its logits are its step()'s up to the LM head's
+        rounding over several rows (~1e-6 of the largest); elsewhere the dense layers and
+        routers run over all rows too, and the logits agree to about one bf16 step."""
         if len({id(r) for r in reqs}) != len(reqs):
             raise ValueError("step_rows takes each request once")
         exact = [self._before_step(req) for req in reqs]

@@ -68,7 +68,8 @@ def step_rows(
 ) -> torch.Tensor:
     """One decode step of B requests in one forward, a token [B, 1] each, with their own
     caches, prediction states and executors -> logits [B, V]: each row's as step() gives it
-    alone, up to the rounding of matmuls over B rows instead of one (see RowsForward).
+    alone, up to the rounding of matmuls over B rows instead of one (see RowsForward; the
+    native layers compute every row's layers as its step does, native_layers.py).
     `together` computes a layer's experts for all rows, `attend_rows` their attention,
     `layers` stands in for decoder layers (RowsForward)."""
     rows = [step_forward(*a) for a in zip(caches, pres, executors, strict=True)]

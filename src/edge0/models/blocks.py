@@ -76,20 +76,30 @@ class MoEBlock(nn.Module):
         return logits, weights, indices
 
     def parts(
-        self, h: torch.Tensor, fwd: Forward, route: Callable | None = None
+        self,
+        h: torch.Tensor,
+        fwd: Forward,
+        route: Callable | None = None,
+        each: Callable | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What the block sums, h [T, D] -> each token's routed experts [T, K, D], their
         weights [T, K] and the shared expert's output [T, D] (None without one). `route`
-        stands in for the block's (the same function, computed another way)."""
+        stands in for the block's (the same function, computed another way); `each(f, h)`,
+        if given, computes the shared expert f on h (on each row alone, say)."""
         logits, weights, indices = (route or self.route)(h, fwd)
         fwd.routed(self.layer, h, logits, indices)
         routed = fwd.experts(self.layer, self.experts)(h, indices)  # [T, K, D]
         s = None
         if self.shared_name is not None:
-            s = self._modules[self.shared_name](h)
-            if self.gated_shared:
-                s = torch.sigmoid(self.shared_expert_gate(h)) * s
+            s = each(self.shared_output, h) if each is not None else self.shared_output(h)
         return routed, weights, s
+
+    def shared_output(self, h: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output on h [T, D], under its gate if it has one."""
+        s = self._modules[self.shared_name](h)
+        if self.gated_shared:
+            s = torch.sigmoid(self.shared_expert_gate(h)) * s
+        return s
 
     def forward(self, x: torch.Tensor, fwd: Forward) -> torch.Tensor:
         b, t, d = x.shape

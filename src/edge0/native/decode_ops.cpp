@@ -47,8 +47,27 @@ bool dense(const at::Tensor& w) {
   return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
 }
 
+// at::linear(x, w) (x [..., D], no bias) with each of x's rows computed alone, as a step of
+// that row's sequence alone computes it: a float matmul over several rows adds in another
+// order than over one (~1e-7 relative), and with int8 activations such a difference upstream
+// of an activation's int8 code moves it by a whole step. So a batched decode step's router,
+// adapters and float projections give every row the bits of its own step; the weights, small
+// next to a step's experts, are read once a row (docs/kernels.md, "Batch-invariant rows").
+at::Tensor linear_each_row(const at::Tensor& x, const at::Tensor& w) {
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});
+  const int64_t n = rows.size(0);
+  auto shape = x.sizes().vec();
+  shape.back() = w.size(0);
+  if (n == 1) return at::linear(rows, w).view(shape);
+  std::vector<at::Tensor> ys;
+  ys.reserve(n);
+  // each row in a fresh buffer of its own, aligned as a lone row is
+  for (int64_t i = 0; i < n; ++i) ys.push_back(at::linear(rows.narrow(0, i, 1).clone(), w));
+  return at::cat(ys).view(shape);
+}
+
 // y + scale * ((x @ A^T) @ B^T), as lora.py LoraLinear adds it, into y (a fresh fp32 or bf16
-// result): the products ATen's mm on the rows (what matmul folds x [.., D] into), the delta
+// result): the products ATen's mm on each row (what matmul folds x [.., D] into), the delta
 // rounded to y's dtype, then scaled by the float scale and added, each rounded to y's dtype,
 // as the scalar mul's and add's kernels round them. One loop instead of their dispatch,
 // conversions and two temporaries: a LoRA'd projection of the built-in model took ~9 us
@@ -60,7 +79,7 @@ void add_lora(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, dou
               "a LoRA'd projection's result must be contiguous fp32 or bf16");
   const at::Tensor rows = x.reshape({-1, x.size(-1)});
   const at::Tensor xa = rows.scalar_type() == a.scalar_type() ? rows : rows.to(a.scalar_type());
-  const at::Tensor delta = floats(at::mm(at::mm(xa, a.t()), b.t()));
+  const at::Tensor delta = floats(linear_each_row(linear_each_row(xa, a), b));
   TORCH_CHECK(delta.numel() == y.numel(), "LoRA B's rows must be the projection's outputs");
   const float s = static_cast<float>(scale);
   const float* dp = delta.data_ptr<float>();
@@ -84,7 +103,7 @@ std::vector<at::Tensor> project(const at::Tensor& x, const std::vector<at::Tenso
   std::vector<size_t> int4;
   for (size_t i = 0; i < ps.size(); ++i) {
     if (dense(ps[i][0])) {
-      ys[i] = at::linear(x, ps[i][0]);
+      ys[i] = linear_each_row(x, ps[i][0]);
     } else {
       int4.push_back(i);
       packed.push_back(ps[i][0]);
@@ -357,7 +376,7 @@ std::vector<at::Tensor> router_topk(const at::Tensor& h, at::TensorList gate, do
                                     int64_t k, bool norm_topk_prob,
                                     const std::optional<at::Tensor>& allowed) {
   TORCH_CHECK(gate.size() == 1 || gate.size() == 3, "gate is [weight] or [weight, A, B]");
-  at::Tensor logits = at::linear(h, gate[0]);
+  at::Tensor logits = linear_each_row(h, gate[0]);
   if (gate.size() == 3) add_lora(h, gate[1], gate[2], lora_scale, logits);
   auto routed = softmax_topk(logits, k, norm_topk_prob, allowed);
   return {logits, routed[0], routed[1]};

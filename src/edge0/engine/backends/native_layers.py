@@ -16,14 +16,14 @@ clipping, an output gate, a sliding window, partial rotary, biases) is not serve
 neither is a forward of several tokens of one sequence: those take the module's own forward.
 
 A batched decode step's rows (models/base.py RowsForward: a token of each of B requests, each
-with its own cache and position) go through the same op, the same operations on the B rows
-as the module path's forward of them (each row's attention over its own cache), its int4
-projections with the kernel that computes torch's; their MoE block then routes and runs its
-experts for all rows as its own forward does (RowsForward's hooks), and its weighted sum and
-the residual are the module path's ATen ops: bit-identical to the module path's forward of
-those rows. With int8 activations the rows' int4 projections take the int8 kernel each row's
-step alone takes (the module path has no int8 kernel), so a row stepped with others is its
-own step up to the rounding of the matmuls over several rows.
+with its own cache and position) go through the same op, each row's attention over its own
+cache; their MoE block then routes and runs its experts for all rows (RowsForward's hooks),
+and its weighted sum and the residual are the module path's ATen ops. Every float product
+whose result reaches a later layer (the router, an adapter's, a float projection, a dense MLP
+or shared expert) is computed on each row alone, and the int4 kernels and the heads compute
+each row as they compute one: so a row stepped with others gives its own step's bits up to
+the LM head (a matmul over several rows adds in another order; with int8 activations a
+difference of ~1e-7 there moves an activation's int8 code by a whole step).
 
 The engine hands these to decode forwards as `Forward.layers`; nothing is installed into the
 model.
@@ -242,13 +242,23 @@ class NativeLayer:
         for c in caches:
             c.length[layer] += 1
         if not self.is_moe:
-            return x + self.mlp(h)
+            return x + each_row(self.mlp, h)
         # MoEBlock.forward's sum and DecoderLayer's residual, as they compute them on rows
-        routed, weights, shared = self.mlp.parts(h.view(x.shape[0], -1), fwd, self.route)
+        h = h.view(x.shape[0], -1)
+        routed, weights, shared = self.mlp.parts(h, fwd, self.route, each_row)
         y = (routed * weights[..., None].to(h.dtype)).sum(dim=1)
         if shared is not None:
             y = y + shared
         return x + y.view(x.shape)
+
+
+def each_row(f: Callable, h: torch.Tensor) -> torch.Tensor:
+    """f on each row of h [B, ...] alone, in a buffer of its own, as that row's step alone
+    computes it (a matmul over several rows adds in another order: decode_ops.cpp
+    linear_each_row); f(h) where h has one row."""
+    if h.shape[0] == 1:
+        return f(h)
+    return torch.cat([f(h[i : i + 1].clone()) for i in range(h.shape[0])])
 
 
 def native_layers(model: nn.Module, cache_dir=None, int8: bool = False) -> dict[int, NativeLayer]:
