@@ -254,7 +254,8 @@ def test_int4_engine_matches_transformers_on_dequantized_weights(tmp_path, name,
         assert all(f.get_slice(k).get_dtype() == "F32" for k in kept)
         assert bool(kept) == bool(keep)
     hf = served_reference(path, tmp_path / "e0", tmp_path / "served")
-    engine = load_engine(tmp_path / "e0", EngineOptions())
+    # the exact option: INT4_LOGIT_TOL is set for bf16 activations' rounding
+    engine = load_engine(tmp_path / "e0", EngineOptions(int4_activations="bf16"))
     prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(2))
     got, diffs, shortfall = teacher_forced(engine, hf, prompt, 16)
     with torch.no_grad():

@@ -56,6 +56,7 @@ def greedy_logits(
         prerouter_always=not no_prerouter,
         dtype=dtype,
         kv_dtype=kv_dtype,
+        int4_activations="bf16",  # the exact option: what the torch backend computes
     )
     engine = load_engine(builtin.model_dir(), opts)
     try:
@@ -472,7 +473,8 @@ def test_the_pool_holds_int8_order_where_it_pays_and_decodes_the_same(monkeypatc
         finally:
             engine.close()
     assert torch.equal(runs[False], runs[True])
-    engine = load_engine(builtin.model_dir(), EngineOptions(io_mode="buffered"))
+    exact = EngineOptions(io_mode="buffered", int4_activations="bf16")
+    engine = load_engine(builtin.model_dir(), exact)
     try:
         assert not engine.pool.layout.int4.int8_order  # monkeypatched to pay, but bf16
         experts_bytes = engine.plan.experts_bytes
@@ -612,8 +614,10 @@ def test_a_batched_steps_layers_are_the_module_paths_bit_for_bit(
 def test_the_engine_prefills_bit_identically_with_the_native_experts(monkeypatch):
     """The built-in model's prefill, a short prompt, a long one (some experts take the dense
     path: from 96 tokens here on both paths) and seven prompts in one batch, with and without
-    the native backend's rows."""
-    opts = EngineOptions(io_mode="buffered", max_active=8, prerouter_always=True)
+    the native backend's rows (with the exact option's bf16 activations)."""
+    opts = EngineOptions(
+        io_mode="buffered", max_active=8, prerouter_always=True, int4_activations="bf16"
+    )
     engine = load_engine(builtin.model_dir(), opts)
     try:
         assert isinstance(engine.experts, NativeExperts)
@@ -714,8 +718,8 @@ def test_the_native_layer_serves_int4_layers_bit_identically(int4_model, dtype):
 
 def decode_logits(path, kernel: str, dtype=torch.float32) -> tuple[torch.Tensor, list[int]]:
     """Greedy prefill and 10 decode steps' logits with `kernel`, and the layers the native
-    op served."""
-    opts = EngineOptions(io_mode="buffered", backend=kernel, dtype=dtype)
+    op served (with the exact option's bf16 activations)."""
+    opts = EngineOptions(io_mode="buffered", backend=kernel, dtype=dtype, int4_activations="bf16")
     engine = load_engine(path, opts)
     try:
         with engine.new_request() as req:

@@ -86,11 +86,20 @@ def test_bad_arguments_are_refused():
         torch.ops.edge0.decode_attention(torch.zeros(4, 40), odd, odd, 4, 1.0, 0)
 
 
-def long_decode(path, backend: str, one_call: bool = True, steps: int = 6):
+def long_decode(
+    path, backend: str, one_call: bool = True, steps: int = 6, activations: str = "bf16"
+):
     """Logits of `steps` greedy decode steps after a prompt that ends 2 positions before the
-    native attention's start (so steps cross it), and how many times the steps called it."""
+    native attention's start (so steps cross it), and how many times the steps called it.
+    With the exact option's bf16 activations by default: the attention is then all that
+    differs from torch's path."""
     start = torch.ops.edge0.native_attention_from()
-    opts = EngineOptions(io_mode="buffered", backend=backend, max_context=start + 64)
+    opts = EngineOptions(
+        io_mode="buffered",
+        backend=backend,
+        max_context=start + 64,
+        int4_activations=activations,
+    )
     engine = load_engine(path, opts)
     if not one_call:
         engine.token = None
@@ -126,3 +135,14 @@ def test_decode_past_the_start_is_the_module_paths_within_the_tolerance(int4_mod
     top = reference.abs().max().item()
     assert (fused - reference).abs().max().item() <= 1e-5 * top
     assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+def test_with_int8_activations_decode_attends_natively_from_the_first_position(int4_model):
+    """int8 activations are not the module path's bits anyway: their decode attention is
+    edge0's own at every length (no SDPA, no conversion of the cache), the token op and the
+    layers one by one still bit for bit alike."""
+    native.load()
+    fused, calls = long_decode(int4_model, "native", activations="int8")
+    assert calls == 6 * 3  # every step, every layer: below the start too
+    layers, calls = long_decode(int4_model, "native", one_call=False, activations="int8")
+    assert calls == 6 * 3 and torch.equal(fused, layers)

@@ -44,7 +44,7 @@ def test_caps_are_fractions_of_the_int4_experts_or_sizes():
 
 
 def test_prerouter_run_only_when_there_are_heads(tmp_path):
-    engines = ["llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-int8"]
+    engines = ["llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-bf16"]
     assert peer.engines_for(tmp_path, None) == engines
     (tmp_path / "prerouter.safetensors").write_bytes(b"")
     assert peer.engines_for(tmp_path, None)[-1] == "edge0-prerouter"

@@ -205,8 +205,9 @@ def test_a_pool_of_every_expert_decodes_exactly_without_the_heads(dirs):
 
 def test_staged_decode_equals_the_same_routing_computed_exactly(dirs):
     """Element-wise: the engine's prediction-routed decode vs a reference forward on the
-    dequantized experts, given the very same predicted logits."""
-    engine = load_engine(dirs["pre"], HEADS)
+    dequantized experts, given the very same predicted logits (the exact option's bf16
+    activations, which the 1e-2 bound is set for; int8's rounding is ~2x theirs)."""
+    engine = load_engine(dirs["pre"], EngineOptions(prerouter_always=True, int4_activations="bf16"))
     _, ref = load_edge0_model(dirs["pre"], experts="dequantized")
     ref.set_top_k(engine.top_k)
     try:
@@ -243,8 +244,10 @@ def test_teacher_forced_training_routes_as_the_engine_decodes(dirs, width):
     engine's decode (one token at a time, staged experts) compute the same routing logits and
     make the same routing decisions on the same tokens, on every MoE layer at every generated
     position; only a tie within numerical tolerance may break either way. Also with a stage
-    width W = 4 > K = 2, where the consumers' routers pick among the staged experts."""
-    engine = load_engine(dirs["pre"], EngineOptions(stage_width=width, prerouter_always=True))
+    width W = 4 > K = 2, where the consumers' routers pick among the staged experts. (The
+    engine with the exact option's bf16 activations, which training's paths compute with.)"""
+    opts = EngineOptions(stage_width=width, prerouter_always=True, int4_activations="bf16")
+    engine = load_engine(dirs["pre"], opts)
     student = load_student(dirs["pre"], top_k=engine.top_k)
     k = engine.top_k
     ids = prompt(engine)
@@ -301,8 +304,10 @@ def test_teacher_forced_training_routes_as_the_engine_decodes(dirs, width):
 
 
 def engine_greedy(model_dir, width: int | None, n: int = 16) -> tuple[list[int], list[int], int]:
-    """(prompt, the engine's greedy tokens at stage width `width`, its K)."""
-    engine = load_engine(model_dir, EngineOptions(stage_width=width, prerouter_always=True))
+    """(prompt, the engine's greedy tokens at stage width `width`, its K), with the exact
+    option's bf16 activations, as training's sampler (train/student.py) decodes."""
+    opts = EngineOptions(stage_width=width, prerouter_always=True, int4_activations="bf16")
+    engine = load_engine(model_dir, opts)
     try:
         ids = prompt(engine)
         return ids, engine.generate(ids, n, GREEDY).drain().tokens, engine.top_k

@@ -66,7 +66,9 @@ def test_the_cache_holds_the_teachers_scores_in_resumable_shards(cache, tmp_path
         want = load_teacher(builtin.teacher_dir())(tokens)[:, 15:-1]
     w_ids, w_top, w_tail = top_k_and_tail(want, 8)
     assert torch.equal(ids, w_ids.long())
-    torch.testing.assert_close(logprobs, w_top.half().float())
+    # stored as fp16; recomputed here over another batch of windows, whose matmuls add in
+    # another order, so a value on a rounding boundary may land one fp16 step away
+    torch.testing.assert_close(logprobs, w_top.half().float(), rtol=2**-10, atol=0)
     torch.testing.assert_close(tail, w_tail)
     # a shard lost is written again, the same bytes; the others are kept
     kept = (out / teacher_cache.shard_name(0)).stat().st_mtime_ns

@@ -117,9 +117,10 @@ def resolve_caps(specs: tuple[str, ...], expert_bytes: int) -> list[tuple[str, i
 
 
 def engines_for(edge0_dir: Path, prerouter: Path | None) -> list[str]:
-    """llama.cpp as shipped and without repacking, edge0 on demand (bf16 and int8
-    activations), and edge0 with its prerouter too when there are heads."""
-    engines = ["llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-int8"]
+    """llama.cpp as shipped and without repacking, edge0 on demand (int8 activations, the
+    default, and bf16, the exact option), and edge0 with its prerouter too when there are
+    heads."""
+    engines = ["llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-bf16"]
     if prerouter is not None or (edge0_dir / modeldir.PREROUTER_FILE).is_file():
         engines.append("edge0-prerouter")
     assert set(engines) <= set(ENGINES)
@@ -229,7 +230,7 @@ def run_peer(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> dict:
                 memory_budget=cap - cfg.runtime_reserve,
                 max_context=n_ctx,
                 prerouter=cfg.prerouter,
-                no_prerouter=engine in ("edge0-ondemand", "edge0-int8"),
+                no_prerouter=engine in ("edge0-ondemand", "edge0-bf16"),
                 prerouter_always=engine == "edge0-prerouter",
             )
             try:

@@ -25,8 +25,10 @@ from pathlib import Path
 
 # llama.cpp as shipped repacks Q4_0 weights into anonymous memory at load (CPU_REPACK);
 # llama.cpp-mmap (the CLI's --no-repack) computes from the mapped file, so it can page
-# edge0-int8: on demand, the int4 kernels on int8 activations (as llama.cpp runs Q4_0)
-ENGINES = ("llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-int8", "edge0-prerouter")
+# edge0-ondemand: experts read as routed (all at load where the pool holds them all), the int4
+# kernels on int8 activations (the default, as llama.cpp runs Q4_0); edge0-bf16: the same
+# with the exact option's bf16 activations
+ENGINES = ("llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-bf16", "edge0-prerouter")
 
 
 def status_bytes(fields: tuple[str, ...] = ("RssAnon", "RssFile", "VmHWM")) -> dict[str, int]:
@@ -99,9 +101,9 @@ def edge0_steps(spec: dict):
         io_mode=spec["io_mode"],
         max_context=spec["n_ctx"],
         prerouter=Path(spec["prerouter"]) if spec["prerouter"] else None,
-        no_prerouter=spec["engine"] in ("edge0-ondemand", "edge0-int8"),
+        no_prerouter=spec["engine"] in ("edge0-ondemand", "edge0-bf16"),
         prerouter_always=spec["engine"] == "edge0-prerouter",
-        int4_activations="int8" if spec["engine"] == "edge0-int8" else "bf16",
+        int4_activations="bf16" if spec["engine"] == "edge0-bf16" else "int8",
     )
     engine = load_engine(spec["model"], opts)
     try:

@@ -220,8 +220,9 @@ def add_engine_args(
         choices=INT4_ACTIVATIONS,
         default=EngineOptions.int4_activations,
         help="what the native int4 kernels multiply weights with: int8 codes with a scale per "
-        "64 inputs (int8: integer dot products, the same numbers on every CPU) or activations "
-        "rounded to bf16 (bf16: torch's int4 kernel bit for bit, as --backend torch) "
+        "64 inputs (int8: integer dot products, faster, the same numbers on every CPU) or "
+        "activations rounded to bf16 (bf16, the exact option: torch's int4 kernel bit for bit, "
+        "as --backend torch) "
         f"(default {EngineOptions.int4_activations})",
     )
     g.add_argument(

@@ -34,10 +34,17 @@ using edge0::floats;
 
 // From this many positions a decode token attends with edge0's own kernel (attention.cpp),
 // which reads the cache as stored, once per kv head; below it, with ATen's SDPA, whose bits
-// the module path's are. Where they cross on the bench shape: docs/kernels.md.
+// the module path's are. Where they cross on the bench shape: docs/kernels.md. With int8
+// activations (an `isa` with edge0::kInt8Flag), whose projections are not the module path's bits
+// anyway, from the first position: SDPA's dispatch and the cache's conversion to the compute
+// dtype cost more than the attention itself at short contexts.
 constexpr int64_t kNativeAttentionFrom = 256;
 
 int64_t native_attention_from() { return kNativeAttentionFrom; }
+
+bool native_attention(int64_t len, int64_t head_dim, int64_t isa) {
+  return (len >= kNativeAttentionFrom || isa >= edge0::kInt8Flag) && head_dim % 16 == 0 && head_dim <= 512;
+}
 
 // Projections as models/int4.py Int4Linear, nn.Linear and lora.py LoraLinear compute them.
 // Each `p`: [packed, pairs] (int4) or [weight] (float), then [lora_A, lora_B] if it has an
@@ -239,11 +246,11 @@ std::vector<at::Tensor> attention_rows(
   outs.reserve(rows);
   for (int64_t b = 0; b < rows; ++b) {
     const int64_t len = n[b] + 1;
-    if (len >= kNativeAttentionFrom && head_dim % 16 == 0 && head_dim <= 512) {
+    if (native_attention(len, head_dim, isa)) {
       // q's floats are what SDPA would take (under bf16 they are bf16 values already)
       at::Tensor o = at::empty({heads, head_dim}, x.options().dtype(at::kFloat));
       edge0::decode_attention(q.narrow(0, b * heads, heads), k_caches[b], v_caches[b], len,
-                              scale, isa % 16, o);
+                              scale, isa % edge0::kInt8Flag, o);
       outs.push_back((bf16 ? o.to(dtype) : o).view({1, heads, 1, head_dim}));
       continue;
     }

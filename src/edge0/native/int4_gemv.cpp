@@ -64,8 +64,7 @@ constexpr int64_t kGroup = 64;  // quant.GROUP
 constexpr int64_t kPrefetch = 4096;
 
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
-// Added to a path's code: the int8-activation kernels (q8_*), see Path.
-constexpr int64_t kInt8Flag = 16;
+using edge0::kInt8Flag;  // added to a path's code: the int8-activation kernels (q8_*), see Path
 
 // What a call computes with: the vector path, and whether activations go in as bf16 (the
 // exact paths, torch's kernel bit for bit) or as int8 codes (the int8 paths, their own sums,
