@@ -38,13 +38,18 @@ def greedy(engine, one_call: bool, steps: int = 10, prompt: str = "def f(x):"):
     ids=["fp32", "bf16", "int8"],
 )
 def test_one_call_a_token_is_the_native_layers_bit_for_bit(int4_model, dtype, acts):
+    """The final norm and the (untied, int4) LM head run in the call too: the same logits."""
     opts = EngineOptions(io_mode="buffered", backend="native", dtype=dtype, int4_activations=acts)
     engine = load_engine(int4_model, opts)
+    heads, logits = [], engine.model.logits
+    engine.model.logits = lambda h: heads.append(1) or logits(h)
     try:
-        assert engine.token is not None
+        assert engine.token is not None and engine.token._head() is not None
         one, hits_one = greedy(engine, True)
         assert engine.token._decoder is not None  # it served the steps
+        assert len(heads) == 1  # the prompt's: no step's logits came from Python
         layers, hits_layers = greedy(engine, False)
+        assert len(heads) == 1 + 11
         assert torch.equal(one, layers)
         assert hits_one == hits_layers == 10 * 3 * 2  # steps x layers x K
     finally:

@@ -415,7 +415,8 @@ struct LayerArgs {
 // router and the tensors of every one of its experts, which must stay where they are: the
 // engine hands over a pool that holds every expert). `step` takes the token's embedding x
 // [1, 1, D], its rotary row and each layer's cache buffers and position, and returns the
-// last layer's output and every layer's routed experts [L, K].
+// last layer's output and every layer's routed experts [L, K], and the logits [1, 1, V] where
+// the LM head was given (`set_head`).
 class TokenDecoder : public torch::CustomClassHolder {
  public:
   TokenDecoder(int64_t lanes, std::vector<int64_t> layout, int64_t isa,
@@ -492,7 +493,26 @@ class TokenDecoder : public torch::CustomClassHolder {
       }
       routed_sets.push_back(indices);
     }
-    return {x, at::cat(routed_sets)};
+    std::vector<at::Tensor> out = {x, at::cat(routed_sets)};
+    if (head_norm_.has_value()) {
+      RECORD_FUNCTION("edge0::lm_head", std::vector<c10::IValue>());
+      const at::Tensor h = edge0::rms_norm(x, *head_norm_, head_eps_, lanes_);
+      const std::vector<at::TensorList> head = {head_};
+      out.push_back(project(h, head, {head_scale_}, layout_, isa_ % edge0::kInt8Flag)[0]);
+    }
+    return out;
+  }
+
+  // The final norm and the LM head (blocks.py CausalLM: logits(backbone.norm(x))), for step()
+  // to return the logits too: `head` a projection's tensors as `project` takes them, its int4
+  // product on the kernel path of bf16 activations whatever the layers' (the module's LM head
+  // is torch's int4 kernel in either: models/int4.py Int4Linear), so the same bits.
+  void set_head(at::Tensor norm, double eps, std::vector<at::Tensor> head, double lora_scale) {
+    TORCH_CHECK(!head.empty(), "the LM head needs its tensors");
+    head_norm_ = std::move(norm);
+    head_eps_ = eps;
+    head_ = std::move(head);
+    head_scale_ = lora_scale;
   }
 
  private:
@@ -502,6 +522,10 @@ class TokenDecoder : public torch::CustomClassHolder {
   std::vector<int64_t> expert_layout_;
   int64_t expert_isa_;
   std::vector<LayerArgs> layers_;
+  std::optional<at::Tensor> head_norm_;
+  double head_eps_ = 0.0;
+  std::vector<at::Tensor> head_;
+  double head_scale_ = 0.0;
 };
 
 }  // namespace
@@ -510,6 +534,7 @@ TORCH_LIBRARY(edge0, m) {
   m.class_<TokenDecoder>("TokenDecoder")
       .def(torch::init<int64_t, std::vector<int64_t>, int64_t, std::vector<int64_t>, int64_t>())
       .def("add_layer", &TokenDecoder::add_layer)
+      .def("set_head", &TokenDecoder::set_head)
       .def("step", &TokenDecoder::step);
   m.def(
       "attention_rows(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "

@@ -84,10 +84,10 @@ def sum_lanes(cache_dir: Path | None = None) -> int | None:
     return None
 
 
-def _projection(m: nn.Module) -> tuple[list[torch.Tensor], float] | None:
+def projection(m: nn.Module) -> tuple[list[torch.Tensor], float] | None:
     """The op's tensors for one projection and its LoRA scale, or None if it cannot take it."""
     if isinstance(m, LoraLinear):
-        base = _projection(m.base)
+        base = projection(m.base)
         if base is None or not m.enabled:
             return base
         return base[0] + [m.lora_A, m.lora_B], m.scale
@@ -117,7 +117,7 @@ def servable(layer: nn.Module) -> bool:
     ):
         return False
     projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-    return all(_projection(m) is not None for m in projections)
+    return all(projection(m) is not None for m in projections)
 
 
 class NativeRoute:
@@ -133,13 +133,13 @@ class NativeRoute:
         self._key, self._gate = None, None
 
     def _router(self) -> tuple[list[torch.Tensor], float] | None:
-        """The op's gate tensors and LoRA scale (`_projection`'s, for a float gate under an
+        """The op's gate tensors and LoRA scale (`projection`'s, for a float gate under an
         adapter or none), again only when the gate or its adapter's switch changed; None
         where the op cannot take the gate."""
         gate = self.block._modules["gate"]
         key = (gate, gate.__dict__.get("enabled"))
         if key != self._key:
-            self._key, parts = key, _projection(gate)
+            self._key, parts = key, projection(gate)
             # a float gate's parts are [weight] or [weight, A, B]; an int4 one's start uint8
             dense = parts is not None and parts[0][0].dtype in (torch.float32, torch.bfloat16)
             self._gate = parts if dense else None
@@ -194,7 +194,7 @@ class NativeLayer:
         key += (o.__dict__.get(on),)
         if key != self._key:
             self._key, self._args = key, None
-            parts = [_projection(m) for m in projections]
+            parts = [projection(m) for m in projections]
             if None not in parts:
                 pre, post = layer.input_layernorm, layer.post_attention_layernorm
                 qk = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm == "head" else (None, None)

@@ -5,8 +5,9 @@ makes ~5 op calls a layer with Python between them: the stand-in's call and its 
 checks, the MoE block's hooks, the executor, the pool's lookup, the weighted sum. On the
 bench shape that was ~4 ms of a ~19 ms step (`bench --profile`). `edge0.TokenDecoder`
 (decode_ops.cpp) makes the same calls on the same tensors in the same order, every layer in
-one call, so it computes the same bits; Python runs once a token: the embedding, the rotary
-row, the final norm and the LM head, as the model's own forward runs them.
+one call, so it computes the same bits; Python runs once a token: the embedding and the rotary
+row, as the model's own forward runs them. The final norm and the LM head run in the call
+too (an untied head the op takes as a projection, after an RMSNorm), else in Python.
 
 It serves a step the engine would take through the exact path with every layer a native
 layer: no prerouter (every layer routes by its own router), an MoE block in every layer
@@ -25,8 +26,8 @@ import torch
 from torch import nn
 
 from edge0 import native
-from edge0.engine.backends.native_layers import NativeLayer
-from edge0.models.layers import KVCache
+from edge0.engine.backends.native_layers import NativeLayer, projection
+from edge0.models.layers import KVCache, RMSNorm
 from edge0.store.pool import ExpertPool
 
 
@@ -50,6 +51,8 @@ class NativeToken:
         self._decoder_class = native.token_decoder(cache_dir)
         self._key: tuple | None = None
         self._decoder = None
+        self._head_key: tuple | None = None
+        self._head_parts: tuple[list[torch.Tensor], float] | None = None
 
     @staticmethod
     def servable(model: nn.Module, layers: dict[int, NativeLayer]) -> bool:
@@ -70,7 +73,8 @@ class NativeToken:
         args = [s._static() for s in self.stand_ins]
         gates = [s.route._router() for s in self.stand_ins]
         top_k = [s.mlp.top_k for s in self.stand_ins]
-        key = (self.pool.changes, *map(id, args), *map(id, gates), *top_k)
+        lm_head = self._head()
+        key = (self.pool.changes, *map(id, args), *map(id, gates), *top_k, id(lm_head))
         if key == self._key:
             return self._decoder
         if None in args or None in gates:
@@ -98,8 +102,25 @@ class NativeToken:
                 s.route.norm,
                 *([getattr(t, f) for t in experts] for f in ("w13", "p13", "w2", "p2")),
             )
+        if lm_head is not None and lm_head[0][0].dtype in (dtype, torch.uint8):
+            norm = self.model.backbone.norm
+            decoder.set_head(norm.weight, norm.eps, *lm_head)
         self._key, self._decoder = key, decoder
         return decoder
+
+    def _head(self) -> tuple[list[torch.Tensor], float] | None:
+        """The LM head's tensors and LoRA scale as the op takes a projection's, again only when
+        the head or its adapter's switch changed; None where the op does not compute the
+        logits (tied embeddings, a head of another kind, a final norm other than RMSNorm)."""
+        model = self.model
+        head = model._modules.get("lm_head")
+        key = (head, None if head is None else head.__dict__.get("enabled"))
+        if key != self._head_key:
+            self._head_key, self._head_parts = key, None
+            servable = head is not None and not model.config.tie_word_embeddings
+            if servable and type(model.backbone.norm) is RMSNorm:
+                self._head_parts = projection(head)
+        return self._head_parts
 
     def __call__(self, cache: KVCache, token: int) -> torch.Tensor | None:
         """The next logits [1, V] after `token`, written into `cache`; None (nothing done)
@@ -115,8 +136,10 @@ class NativeToken:
         cos, sin = model.rotary(cache.positions(1), x.dtype)
         slots = [cache.slot(i, 1) for i in range(len(self.stand_ins))]
         n = list(cache.length)
-        x, routed = decoder.step(x, cos, sin, [s[0] for s in slots], [s[1] for s in slots], n)
+        out = decoder.step(x, cos, sin, [s[0] for s in slots], [s[1] for s in slots], n)
         for i in range(len(n)):
             cache.length[i] = n[i] + 1
-        self.pool.count_hits(routed.numel())  # as the exact path's lookups count them
-        return model.logits(backbone.norm(x))[:, -1]
+        self.pool.count_hits(out[1].numel())  # as the exact path's lookups count them
+        if len(out) == 3:  # the op ran the final norm and the LM head
+            return out[2][:, -1]
+        return model.logits(backbone.norm(out[0]))[:, -1]
