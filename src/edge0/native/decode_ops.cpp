@@ -35,15 +35,16 @@ using edge0::floats;
 // From this many positions a decode token attends with edge0's own kernel (attention.cpp),
 // which reads the cache as stored, once per kv head; below it, with ATen's SDPA, whose bits
 // the module path's are. Where they cross on the bench shape: docs/kernels.md. With int8
-// activations (an `isa` with edge0::kInt8Flag), whose projections are not the module path's bits
-// anyway, from the first position: SDPA's dispatch and the cache's conversion to the compute
-// dtype cost more than the attention itself at short contexts.
+// activations (an `isa` with edge0::kInt8Flag), whose projections are not the module path's
+// bits anyway, from the first position: SDPA's dispatch and the cache's conversion to the
+// compute dtype cost more than the attention itself at short contexts.
 constexpr int64_t kNativeAttentionFrom = 256;
 
 int64_t native_attention_from() { return kNativeAttentionFrom; }
 
 bool native_attention(int64_t len, int64_t head_dim, int64_t isa) {
-  return (len >= kNativeAttentionFrom || isa >= edge0::kInt8Flag) && head_dim % 16 == 0 && head_dim <= 512;
+  const bool from = len >= kNativeAttentionFrom || isa >= edge0::kInt8Flag;
+  return from && head_dim % 16 == 0 && head_dim <= 512;
 }
 
 // Projections as models/int4.py Int4Linear, nn.Linear and lora.py LoraLinear compute them.
@@ -168,16 +169,17 @@ void norm_in_place(at::Tensor& rows, const at::Tensor& weight, double eps, int64
 // of B sequences, x [B, 1, D] -> (x + attention(norm(x)), post_norm(that)), in fp32 or bf16
 // (every tensor in x's dtype): what the module path computes on one request's decode token
 // (B = 1) or on the B rows of a batched step (models/base.py RowsForward, each row with its
-// own cache and position: layers.py RowCaches with attend_rows). The attention is layers.py Attention.forward with q/k RMSNorm per head
-// or none, full rotary, no window, clip, gate or bias: the same operations in the same order,
-// row b's key and value written at position n[b] of its cache buffers [1, G, max, Dh], SDPA
-// of its query over positions 0..n[b], row by row. The norms, the rotary and the residual are
-// loops over floats that round where the module's ops round (norms.cpp; `lanes`:
-// sum_lanes), the products edge0's int4 kernels or ATen's on all B rows at once, as the
-// module's, SDPA ATen's: bit-identical to the module path. `cos` and `sin` hold a row of Dh
-// per sequence. The caches are in x's dtype, or bf16 under fp32 (KVCache's kv_dtype: keys
-// and values rounded as stored, read back in fp32). In fp32 it works on the tensors' memory
-// directly, without conversions.
+// own cache and position: layers.py RowCaches with attend_rows). The attention is layers.py
+// Attention.forward with q/k RMSNorm per head or none, full rotary, no window, clip, gate or
+// bias: the same operations in the same order, row b's key and value written at position
+// n[b] of its cache buffers [1, G, max, Dh], then its query's attention over positions
+// 0..n[b], row by row (SDPA, or edge0's own kernel: native_attention above). The norms, the
+// rotary and the residual are loops over floats that round where the module's ops round
+// (norms.cpp; `lanes`: sum_lanes), the products edge0's int4 kernels or ATen's on each row
+// as on one (linear_each_row): with bf16 activations and SDPA, bit-identical to the module
+// path's step of each row alone. `cos` and `sin` hold a row of Dh per sequence. The caches are in x's dtype, or bf16
+// under fp32 (KVCache's kv_dtype: keys and values rounded as stored, read back in fp32). In
+// fp32 it works on the tensors' memory directly, without conversions.
 std::vector<at::Tensor> attention_rows(
     const at::Tensor& x, const at::Tensor& input_norm, double input_eps,
     const at::Tensor& post_norm, double post_eps, at::TensorList q_proj, at::TensorList k_proj,
