@@ -938,9 +938,8 @@ def test_a_row_stepped_with_others_is_its_own_step_up_to_the_lm_head(tmp_path, n
             int8 = activations == "int8"
             assert all((n.rows_kernel[1] >= native.INT8) == int8 for n in engine.layers.values())
         if name.startswith("shared"):
-            blocks = [n.mlp for n in engine.layers.values()]
-            assert any(b.is_moe is False for b in engine.layers.values())
-            assert any(getattr(b, "gated_shared", False) for b in blocks)
+            assert any(not n.is_moe for n in engine.layers.values())
+            assert any(n.is_moe and n.mlp.gated_shared for n in engine.layers.values())
         prompts = three_prompts(engine)
         for rows in (1, 3):
             batched, alone = twice_prefilled(engine, prompts[:rows])

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from edge0 import modeldir
 from edge0.bench import peer_gguf
-from edge0.bench.peer_arm import ENGINES
+from edge0.bench.peer_arm import ENGINES, ON_DEMAND
 from edge0.convert.synth import Shape
 from edge0.engine import backends
 from edge0.engine.options import EngineOptions
@@ -230,7 +230,7 @@ def run_peer(work: Path, hf_dir: Path | None, cfg: PeerConfig) -> dict:
                 memory_budget=cap - cfg.runtime_reserve,
                 max_context=n_ctx,
                 prerouter=cfg.prerouter,
-                no_prerouter=engine in ("edge0-ondemand", "edge0-bf16"),
+                no_prerouter=engine in ON_DEMAND,
                 prerouter_always=engine == "edge0-prerouter",
             )
             try:

@@ -29,6 +29,7 @@ from pathlib import Path
 # kernels on int8 activations (the default, as llama.cpp runs Q4_0); edge0-bf16: the same
 # with the exact option's bf16 activations
 ENGINES = ("llama.cpp", "llama.cpp-mmap", "edge0-ondemand", "edge0-bf16", "edge0-prerouter")
+ON_DEMAND = ("edge0-ondemand", "edge0-bf16")  # the edge0 runs without a prerouter
 
 
 def status_bytes(fields: tuple[str, ...] = ("RssAnon", "RssFile", "VmHWM")) -> dict[str, int]:
@@ -101,7 +102,7 @@ def edge0_steps(spec: dict):
         io_mode=spec["io_mode"],
         max_context=spec["n_ctx"],
         prerouter=Path(spec["prerouter"]) if spec["prerouter"] else None,
-        no_prerouter=spec["engine"] in ("edge0-ondemand", "edge0-bf16"),
+        no_prerouter=spec["engine"] in ON_DEMAND,
         prerouter_always=spec["engine"] == "edge0-prerouter",
         int4_activations="bf16" if spec["engine"] == "edge0-bf16" else "int8",
     )

@@ -177,9 +177,10 @@ void norm_in_place(at::Tensor& rows, const at::Tensor& weight, double eps, int64
 // rotary and the residual are loops over floats that round where the module's ops round
 // (norms.cpp; `lanes`: sum_lanes), the products edge0's int4 kernels or ATen's on each row
 // as on one (linear_each_row): with bf16 activations and SDPA, bit-identical to the module
-// path's step of each row alone. `cos` and `sin` hold a row of Dh per sequence. The caches are in x's dtype, or bf16
-// under fp32 (KVCache's kv_dtype: keys and values rounded as stored, read back in fp32). In
-// fp32 it works on the tensors' memory directly, without conversions.
+// path's step of each row alone. `cos` and `sin` hold a row of Dh per sequence. The caches
+// are in x's dtype, or bf16 under fp32 (KVCache's kv_dtype: keys and values rounded as
+// stored, read back in fp32). In fp32 it works on the tensors' memory directly, without
+// conversions.
 std::vector<at::Tensor> attention_rows(
     const at::Tensor& x, const at::Tensor& input_norm, double input_eps,
     const at::Tensor& post_norm, double post_eps, at::TensorList q_proj, at::TensorList k_proj,
