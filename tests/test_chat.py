@@ -223,9 +223,11 @@ class ChatProcess:
         self.pid, self.master = pty.fork()
         if self.pid == 0:  # the child: exec at once
             # as a shell starts a foreground job: Ctrl-C interrupts. (A test run started in
-            # the background by a non-interactive shell inherits SIGINT ignored, and an
-            # ignored signal stays ignored across exec.)
+            # the background by a non-interactive shell inherits SIGINT ignored, and one
+            # spawned from a thread that blocks signals inherits SIGINT blocked; both stay
+            # so across exec, and then Ctrl-C does nothing at all.)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             env = {**os.environ, "TERM": "xterm"}
             os.execve(sys.executable, [sys.executable, "-m", "edge0", "chat", *argv], env)
         self.buffer = b""

@@ -401,6 +401,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def block_shutdown_signals() -> None:
+    """Run in the child before exec: as when a supervisor spawns the server from a thread that
+    blocks signals. The mask survives exec; the server must still hear SIGTERM and SIGINT."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 class ServeProcess:
     """`edge0 serve` on the test model, in its own process."""
 
@@ -411,7 +417,12 @@ class ServeProcess:
         argv += ["--threads", "1", "--max-context", "512", "--queue-size", "4"]
         argv += ["--model-name", "tiny", *flags]
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=os.environ,
+            preexec_fn=block_shutdown_signals,
         )
         deadline = time.monotonic() + 120
         while True:

@@ -80,6 +80,9 @@ def serve(
         signals.put(sig)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # a process spawned from a thread that blocks signals inherits that mask across exec;
+    # unblocked here, SIGTERM still reaches the handler instead of waiting forever
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)
     thread = threading.Thread(target=server.run, name="edge0-http")
     try:
         thread.start()
@@ -106,6 +109,7 @@ def serve(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _note_repeats(signals: queue.SimpleQueue[int], deadline: float | None) -> None:
