@@ -43,15 +43,37 @@ def test_one_call_a_token_is_the_native_layers_bit_for_bit(int4_model, dtype, ac
     engine = load_engine(int4_model, opts)
     heads, logits = [], engine.model.logits
     engine.model.logits = lambda h: heads.append(1) or logits(h)
+    embedding = engine.model.backbone.embedding()
+    rows, forward = [], embedding.forward
+    embedding.forward = lambda ids: rows.append(1) or forward(ids)
     try:
         assert engine.token is not None and engine.token._head() is not None
         one, hits_one = greedy(engine, True)
         assert engine.token._decoder is not None  # it served the steps
         assert len(heads) == 1  # the prompt's: no step's logits came from Python
+        assert len(rows) == 1  # nor a step's embedding row
         layers, hits_layers = greedy(engine, False)
-        assert len(heads) == 1 + 11
+        assert len(heads) == len(rows) == 1 + 11
         assert torch.equal(one, layers)
         assert hits_one == hits_layers == 10 * 3 * 2  # steps x layers x K
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_decoder_looks_up_every_token_as_the_int4_embedding_does(int4_model, dtype):
+    engine = load_engine(int4_model, EngineOptions(io_mode="buffered", dtype=dtype))
+    try:
+        embedding = engine.model.backbone.embedding()
+        assert type(embedding).__name__ == "Int4Embedding" and embedding.dtype == dtype
+        greedy(engine, True, steps=1)
+        decoder = engine.token._decoder
+        every = embedding(torch.arange(embedding.num_embeddings)[:, None])  # [V, 1, D]
+        assert every.dtype == dtype and every.abs().amax() > 0
+        for token in range(embedding.num_embeddings):
+            assert torch.equal(decoder.embed(token), every[token : token + 1]), token
+        with pytest.raises(RuntimeError, match="not in the vocabulary"):
+            decoder.embed(embedding.num_embeddings)
     finally:
         engine.close()
 

@@ -518,7 +518,55 @@ class TokenDecoder : public torch::CustomClassHolder {
     head_scale_ = lora_scale;
   }
 
+  // The token embedding held as int4 (models/int4.py Int4Embedding), for embed(): `codes`
+  // [V, D/2] bytes, each the codes of two columns, low nibble first; `scales` and `biases`
+  // [V, D/64] bf16, one pair per group of 64 columns; the rows in bf16 (`bf16`) or fp32.
+  void set_embedding(at::Tensor codes, at::Tensor scales, at::Tensor biases, bool bf16) {
+    TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+                "codes must be contiguous [V, D/2] bytes");
+    const int64_t groups = codes.size(1) * 2 / kEmbeddingGroup;
+    for (const at::Tensor* t : {&scales, &biases}) {
+      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->dim() == 2 &&
+                      t->size(0) == codes.size(0) && t->size(1) == groups &&
+                      groups * kEmbeddingGroup == codes.size(1) * 2,
+                  "scales and biases must be contiguous [V, D/64] bf16");
+    }
+    embedding_ = {std::move(codes), std::move(scales), std::move(biases)};
+    embedding_bf16_ = bf16;
+  }
+
+  // The row of `token` [1, 1, D], as the module computes it: each code widened to fp32, times
+  // its group's scale, plus its bias (two roundings: no contraction in this build), then in
+  // the rows' dtype (round to nearest even, as .to() rounds).
+  at::Tensor embed(int64_t token) {
+    TORCH_CHECK(embedding_.size() == 3, "no embedding set");
+    const at::Tensor& codes = embedding_[0];
+    TORCH_CHECK(token >= 0 && token < codes.size(0), "token ", token, " is not in the vocabulary");
+    const int64_t half = codes.size(1), dim = half * 2;
+    const uint8_t* row = codes.data_ptr<uint8_t>() + token * half;
+    const int64_t groups = dim / kEmbeddingGroup;
+    const c10::BFloat16* s = embedding_[1].data_ptr<c10::BFloat16>() + token * groups;
+    const c10::BFloat16* b = embedding_[2].data_ptr<c10::BFloat16>() + token * groups;
+    at::Tensor out = at::empty({1, 1, dim}, at::TensorOptions().dtype(
+                                                embedding_bf16_ ? at::kBFloat16 : at::kFloat));
+    float* wide = embedding_bf16_ ? nullptr : out.data_ptr<float>();
+    c10::BFloat16* narrow = embedding_bf16_ ? out.data_ptr<c10::BFloat16>() : nullptr;
+    for (int64_t d = 0; d < dim; ++d) {
+      const int code = d % 2 == 0 ? row[d / 2] & 15 : row[d / 2] >> 4;
+      const int64_t g = d / kEmbeddingGroup;
+      float y = static_cast<float>(s[g]) * static_cast<float>(code);
+      y = y + static_cast<float>(b[g]);
+      if (narrow != nullptr) {
+        narrow[d] = c10::BFloat16(y);
+      } else {
+        wide[d] = y;
+      }
+    }
+    return out;
+  }
+
  private:
+  static constexpr int64_t kEmbeddingGroup = 64;  // columns per (scale, bias): quant.GROUP
   int64_t lanes_;
   std::vector<int64_t> layout_;
   int64_t isa_;
@@ -529,6 +577,8 @@ class TokenDecoder : public torch::CustomClassHolder {
   double head_eps_ = 0.0;
   std::vector<at::Tensor> head_;
   double head_scale_ = 0.0;
+  std::vector<at::Tensor> embedding_;  // codes, scales, biases: set_embedding()
+  bool embedding_bf16_ = false;
 };
 
 }  // namespace
@@ -538,6 +588,8 @@ TORCH_LIBRARY(edge0, m) {
       .def(torch::init<int64_t, std::vector<int64_t>, int64_t, std::vector<int64_t>, int64_t>())
       .def("add_layer", &TokenDecoder::add_layer)
       .def("set_head", &TokenDecoder::set_head)
+      .def("set_embedding", &TokenDecoder::set_embedding)
+      .def("embed", &TokenDecoder::embed)
       .def("step", &TokenDecoder::step);
   m.def(
       "attention_rows(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "

@@ -5,9 +5,11 @@ makes ~5 op calls a layer with Python between them: the stand-in's call and its 
 checks, the MoE block's hooks, the executor, the pool's lookup, the weighted sum. On the
 bench shape that was ~4 ms of a ~19 ms step (`bench --profile`). `edge0.TokenDecoder`
 (decode_ops.cpp) makes the same calls on the same tensors in the same order, every layer in
-one call, so it computes the same bits; Python runs once a token: the embedding and the rotary
-row, as the model's own forward runs them. The final norm and the LM head run in the call
-too (an untied head the op takes as a projection, after an RMSNorm), else in Python.
+one call, so it computes the same bits; Python runs once a token: the rotary row, as the
+model's own forward computes it. The op also looks up an int4 embedding's row (as a module
+call, ~12 ATen ops and 0.25 ms a token) and runs the final norm and the LM head (an untied
+head it takes as a projection, after an RMSNorm); for other embeddings and heads the modules
+run, before and after the call.
 
 It serves a step the engine would take through the exact path with every layer a native
 layer: no prerouter (every layer routes by its own router), an MoE block in every layer
@@ -27,6 +29,7 @@ from torch import nn
 
 from edge0 import native
 from edge0.engine.backends.native_layers import NativeLayer, projection
+from edge0.models.int4 import Int4Embedding
 from edge0.models.layers import KVCache, RMSNorm
 from edge0.store.pool import ExpertPool
 
@@ -105,6 +108,10 @@ class NativeToken:
         if lm_head is not None and lm_head[0][0].dtype in (dtype, torch.uint8):
             norm = self.model.backbone.norm
             decoder.set_head(norm.weight, norm.eps, *lm_head)
+        embedding = self.model.backbone.embedding()
+        if _native_embedding(embedding):
+            bits = (embedding.scales.view(torch.bfloat16), embedding.biases.view(torch.bfloat16))
+            decoder.set_embedding(embedding.codes, *bits, embedding.dtype == torch.bfloat16)
         self._key, self._decoder = key, decoder
         return decoder
 
@@ -129,10 +136,15 @@ class NativeToken:
             return None
         model = self.model
         backbone = model.backbone
-        x = backbone.embedding()(torch.tensor([[token]], dtype=torch.long))
-        decoder = self._built(x.dtype)
+        embedding = backbone.embedding()
+        native_embedding = _native_embedding(embedding)
+        decoder = self._built(embedding.dtype if native_embedding else embedding.weight.dtype)
         if decoder is None:
             return None
+        if native_embedding:
+            x = decoder.embed(token)
+        else:
+            x = embedding(torch.tensor([[token]], dtype=torch.long))
         cos, sin = model.rotary(cache.positions(1), x.dtype)
         slots = [cache.slot(i, 1) for i in range(len(self.stand_ins))]
         n = list(cache.length)
@@ -143,3 +155,9 @@ class NativeToken:
         if len(out) == 3:  # the op ran the final norm and the LM head
             return out[2][:, -1]
         return model.logits(backbone.norm(out[0]))[:, -1]
+
+
+def _native_embedding(embedding: nn.Module) -> bool:
+    """Whether the decoder looks a token's row up itself (TokenDecoder.embed): an int4
+    embedding with rows in bf16 or fp32; else the module does, before the call."""
+    return type(embedding) is Int4Embedding and embedding.dtype in (torch.bfloat16, torch.float32)
