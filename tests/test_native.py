@@ -689,6 +689,25 @@ def test_the_native_combine_is_the_blocks_bit_for_bit(k, d, dtype):
         assert got.shape == ref.shape and torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts, d", [(64, 1024), (128, 2048), (256, 512), (96, 256), (60, 2048)])
+def test_the_native_router_is_the_modules_linear_bit_for_bit(experts, d, dtype):
+    """edge0.router_topk's logits are F.linear's bit for bit, on the first call of a shape
+    (which checks whether two threads' halves of the outputs agree with the whole) and on every
+    call after it (which uses the halves where they did); 60 experts never split (halves of
+    30: another kernel path in MKL's sums)."""
+    gen = torch.Generator().manual_seed(experts + d)
+    w = torch.randn(experts, d, generator=gen).to(dtype)
+    op = native.op("router_topk")
+    for _ in range(3):
+        h = torch.randn(1, d, generator=gen).to(dtype)
+        with torch.inference_mode():
+            logits, weights, indices = op(h, [w], 0.0, 8, True, None)
+            ref = torch.nn.functional.linear(h, w)
+        assert torch.equal(logits, ref)
+        assert torch.equal(indices[0].sort().values, ref[0].float().topk(8).indices.sort().values)
+
+
 def test_the_norms_sum_width_is_checked_not_assumed():
     """Of the widths sum_lanes tries, only the one it found computes ATen's sums here: the
     comparison tells them apart (a width that is not the reduction's gives other bits)."""
