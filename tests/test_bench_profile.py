@@ -73,6 +73,8 @@ def test_the_floor_counts_what_a_step_reads(tmp_path):
     assert 0 < parts["resident weights"] < weights - embedding
     assert r["floor_ms"] == pytest.approx(1e3 * sum(parts.values()) / r["read_bandwidth"])
     assert r["read_bandwidth"] > 1e8
+    slowest, fastest = r["read_bandwidth_passes"]
+    assert slowest <= r["read_bandwidth"] <= fastest  # the median of the passes
     assert "x the floor" in profile.report(r)
 
 
