@@ -581,11 +581,11 @@ class TokenDecoder : public torch::CustomClassHolder {
   void set_embedding(at::Tensor codes, at::Tensor scales, at::Tensor biases, bool bf16) {
     TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
                 "codes must be contiguous [V, D/2] bytes");
-    const int64_t groups = codes.size(1) * 2 / kEmbeddingGroup;
+    const int64_t groups = codes.size(1) * 2 / edge0::kGroup;
     for (const at::Tensor* t : {&scales, &biases}) {
       TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->dim() == 2 &&
                       t->size(0) == codes.size(0) && t->size(1) == groups &&
-                      groups * kEmbeddingGroup == codes.size(1) * 2,
+                      groups * edge0::kGroup == codes.size(1) * 2,
                   "scales and biases must be contiguous [V, D/64] bf16");
     }
     embedding_ = {std::move(codes), std::move(scales), std::move(biases)};
@@ -601,7 +601,7 @@ class TokenDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(token >= 0 && token < codes.size(0), "token ", token, " is not in the vocabulary");
     const int64_t half = codes.size(1), dim = half * 2;
     const uint8_t* row = codes.data_ptr<uint8_t>() + token * half;
-    const int64_t groups = dim / kEmbeddingGroup;
+    const int64_t groups = dim / edge0::kGroup;
     const c10::BFloat16* s = embedding_[1].data_ptr<c10::BFloat16>() + token * groups;
     const c10::BFloat16* b = embedding_[2].data_ptr<c10::BFloat16>() + token * groups;
     at::Tensor out = at::empty({1, 1, dim}, at::TensorOptions().dtype(
@@ -610,7 +610,7 @@ class TokenDecoder : public torch::CustomClassHolder {
     c10::BFloat16* narrow = embedding_bf16_ ? out.data_ptr<c10::BFloat16>() : nullptr;
     for (int64_t d = 0; d < dim; ++d) {
       const int code = d % 2 == 0 ? row[d / 2] & 15 : row[d / 2] >> 4;
-      const int64_t g = d / kEmbeddingGroup;
+      const int64_t g = d / edge0::kGroup;
       float y = static_cast<float>(s[g]) * static_cast<float>(code);
       y = y + static_cast<float>(b[g]);
       if (narrow != nullptr) {
@@ -623,7 +623,6 @@ class TokenDecoder : public torch::CustomClassHolder {
   }
 
  private:
-  static constexpr int64_t kEmbeddingGroup = 64;  // columns per (scale, bias): quant.GROUP
   int64_t lanes_;
   std::vector<int64_t> layout_;
   int64_t isa_;

@@ -56,8 +56,8 @@
 namespace {
 
 using edge0::bf16_round;
+using edge0::kGroup;  // quant.GROUP
 
-constexpr int64_t kGroup = 64;  // quant.GROUP
 // Software prefetch distance into a block's bytes. Experts come from a pool far larger than
 // the caches, and the hardware prefetcher alone leaves the kernel waiting: 4 KiB ahead made a
 // layer's 8 experts 1.6x faster on a 2.4 GiB pool (docs/kernels.md).

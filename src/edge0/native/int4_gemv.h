@@ -10,6 +10,10 @@ namespace edge0 {
 // Added to a kernel path's code (`isa` below): its int8-activation kernel (int4_gemv.cpp, Path)
 constexpr int64_t kInt8Flag = 16;
 
+// Columns per (scale, zero) pair of an int4 row: quant.GROUP, the kernels' and the int4
+// embedding's (TokenDecoder.embed)
+constexpr int64_t kGroup = 64;
+
 // y = x W^T as aten._weight_int4pack_mm_for_cpu(x.to(bf16), packed, 64, pairs).to(x.dtype)
 // computes it, bit for bit, for each row of x [..., K] -> [..., N]. `layout`: the packed
 // arrangement [block, interleaved, tail block, tail interleaved]; `isa`: 0 portable, 1 AVX2,
