@@ -96,6 +96,68 @@ def test_the_built_in_model_decodes_the_same_in_one_call():
         engine.close()
 
 
+def batched(engine, requests: int, alone: bool = False, steps: int = 5) -> list[torch.Tensor]:
+    """`requests` requests at different positions (prompts of 1 to `requests` tokens), greedy
+    decode steps of all of them through step_rows (`alone`: each request's own step) ->
+    every row's logits of every step."""
+    vocab = engine.model.config.vocab_size
+    ids = [t % vocab for t in engine.tokenizer.encode("def read_config(path): return path")]
+    reqs = [engine.new_request() for _ in range(requests)]
+    try:
+        tokens = [int(engine.prefill(r, ids[: i + 1]).argmax()) for i, r in enumerate(reqs)]
+        out = []
+        for _ in range(steps):
+            if alone:
+                logits = [engine.step(r, t) for r, t in zip(reqs, tokens, strict=True)]
+            else:
+                logits = engine.step_rows(reqs, tokens)
+            tokens = [int(x.argmax()) for x in logits]
+            out += logits
+        return out
+    finally:
+        for r in reqs:
+            r.release()
+
+
+@pytest.mark.parametrize("requests", [3, 5], ids=["row-by-row", "experts-over-rows"])
+@pytest.mark.parametrize(
+    "dtype, acts",
+    [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.float32, "int8")],
+    ids=["fp32", "bf16", "int8"],
+)
+def test_a_batched_step_in_one_call_is_each_rows_own_step_bit_for_bit(
+    int4_model, requests, dtype, acts
+):
+    """TokenDecoder.step_rows: every row's logits are its own step's, bit for bit, with each
+    row's experts on their own (3 rows) and each expert once over its rows (5 rows, from the
+    backend's rows_from); the layers one by one agree up to their LM head's rounding over
+    rows, and pick the same tokens."""
+    opts = EngineOptions(io_mode="buffered", backend="native", dtype=dtype, int4_activations=acts)
+    engine = load_engine(int4_model, opts)
+    served, rows = [], engine.token.rows
+    engine.token.rows = lambda caches, tokens: served.append(len(caches)) or rows(caches, tokens)
+    try:
+        assert engine.token.rows_from == 4
+        hits = [engine.pool.stats.hits]
+        together = batched(engine, requests)
+        assert served == [requests] * 5
+        assert engine.token._decoder is not None
+        hits.append(engine.pool.stats.hits)
+        alone = batched(engine, requests, alone=True)
+        hits.append(engine.pool.stats.hits)
+        assert hits[1] - hits[0] == hits[2] - hits[1] > 5 * requests * 3 * 2  # and prefills'
+        assert len(together) == len(alone) == 5 * requests
+        assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+        engine.token, token = None, engine.token
+        layers = batched(engine, requests)
+        engine.token = token
+        assert [int(x.argmax()) for x in layers] == [int(x.argmax()) for x in together]
+        for a, b in zip(together, layers, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
+    finally:
+        engine.close()
+
+
 def test_a_pool_that_lost_entries_is_taken_again(int4_model):
     """Clearing the pool frees every slot; the next reads may land anywhere, so the decoder's
     table of expert tensors is made again, and the logits do not change."""

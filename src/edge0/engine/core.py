@@ -272,29 +272,37 @@ class Engine:
     @torch.inference_mode()
     def step_rows(self, reqs: list[Request], tokens: list[int]) -> list[torch.Tensor]:
         """One decode step of several requests in one forward, each with its own token,
-        state, predictions and staged experts; returns each one's next logits [V]. The LM
-        head runs once over all rows; attention and each row's experts run per row
-        (decode.step_rows). Where every layer is a native one (native_layers.py) a row's
-        layers give its step()'s bits and its logits are its step()'s up to the LM head's
-        rounding over several rows (~1e-6 of the largest); elsewhere the dense layers and
-        routers run over all rows too, and the logits agree to about one bf16 step."""
+        state, predictions and staged experts; returns each one's next logits [V].
+        Where the token op serves the step (every request on the exact path, the pool holding
+        every expert: native_token.py) the rows go through every layer in one call and each
+        row's logits are its step()'s, bit for bit. Otherwise layer by layer
+        (decode.step_rows): attention and each row's experts run per row, the LM head once
+        over all rows. Where every layer is a native one (native_layers.py) a row's layers
+        give its step()'s bits and its logits are its step()'s up to the LM head's rounding
+        over several rows (~1e-6 of the largest); elsewhere the dense layers and routers run
+        over all rows too, and the logits agree to about one bf16 step."""
         if len({id(r) for r in reqs}) != len(reqs):
             raise ValueError("step_rows takes each request once")
         exact = [self._before_step(req) for req in reqs]
-        x = torch.tensor([[t] for t in tokens], dtype=torch.long)
-        together = None
-        if len(reqs) >= self.experts.rows_from:
-            together = functools.partial(rows_together, self.experts)
-        logits = decode.step_rows(
-            self.model,
-            [r.cache for r in reqs],
-            x,
-            [r.pre for r in reqs],
-            [r.decode for r in reqs],
-            together,
-            self.attend_rows,
-            self.layers,
-        ).float()
+        logits = None
+        if self.token is not None and all(r.decode is self._exact for r in reqs):
+            logits = self.token.rows([r.cache for r in reqs], tokens)  # None: not served
+        if logits is None:
+            x = torch.tensor([[t] for t in tokens], dtype=torch.long)
+            together = None
+            if len(reqs) >= self.experts.rows_from:
+                together = functools.partial(rows_together, self.experts)
+            logits = decode.step_rows(
+                self.model,
+                [r.cache for r in reqs],
+                x,
+                [r.pre for r in reqs],
+                [r.decode for r in reqs],
+                together,
+                self.attend_rows,
+                self.layers,
+            )
+        logits = logits.float()
         self._after_steps(reqs, tokens, exact)
         return list(logits)
 

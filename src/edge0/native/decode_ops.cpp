@@ -13,9 +13,10 @@
 // (the softmax families', with its own router or a prediction) and its weighted sum of
 // experts and residual.
 //
-// edge0.TokenDecoder: a decode token of one sequence through every decoder layer in one call,
-// each layer those ops in the order the engine calls them one by one, its experts taken from
-// a table of every expert's tensors given once (see the class).
+// edge0.TokenDecoder: a decode token of one sequence (or of each of a batched step's B)
+// through every decoder layer in one call, each layer those ops in the order the engine calls
+// them one by one, its experts taken from a table of every expert's tensors given once (see
+// the class).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -476,7 +477,8 @@ struct LayerArgs {
 // engine hands over a pool that holds every expert). `step` takes the token's embedding x
 // [1, 1, D], its rotary row and each layer's cache buffers and position, and returns the
 // last layer's output and every layer's routed experts [L, K], and the logits [1, 1, V] where
-// the LM head was given (`set_head`).
+// the LM head was given (`set_head`). `step_rows` does the same for a token of each of B sequences, each row
+// as step() computes it alone.
 class TokenDecoder : public torch::CustomClassHolder {
  public:
   TokenDecoder(int64_t lanes, std::vector<int64_t> layout, int64_t isa,
@@ -512,55 +514,28 @@ class TokenDecoder : public torch::CustomClassHolder {
                                std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                                std::vector<int64_t> n) {
     RECORD_FUNCTION("edge0::decode_token", std::vector<c10::IValue>());
-    const size_t layers = layers_.size();
-    TORCH_CHECK(k_caches.size() == layers && v_caches.size() == layers && n.size() == layers,
-                "one key buffer, value buffer and position per layer");
     TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "x must be [1, 1, D]");
-    std::vector<at::Tensor> routed_sets;
-    routed_sets.reserve(layers);
-    std::vector<at::Tensor> w13, p13, w2, p2;
-    for (size_t l = 0; l < layers; ++l) {
-      const LayerArgs& a = layers_[l];
-      std::vector<at::Tensor> xh;
-      {
-        RECORD_FUNCTION("edge0::attention_rows", std::vector<c10::IValue>());
-        xh = attention_rows(x, a.input_norm, a.input_eps, a.post_norm, a.post_eps, a.q, a.k, a.v,
-                            a.o, a.lora_scale, a.q_norm, a.k_norm, a.eps, cos, sin,
-                            {k_caches[l]}, {v_caches[l]}, {n[l]}, a.heads, a.kv_heads,
-                            a.head_dim, a.scale, lanes_, layout_, isa_);
-      }
-      const at::Tensor h = xh[1].view({1, -1});
-      std::vector<at::Tensor> route;
-      {
-        RECORD_FUNCTION("edge0::router_topk", std::vector<c10::IValue>());
-        route = router_topk(h, a.gate, a.gate_scale, a.top_k, a.norm_topk, std::nullopt);
-      }
-      const at::Tensor& indices = route[2];  // [1, K], int64
-      const int64_t* idx = indices.data_ptr<int64_t>();
-      const int64_t k = indices.numel(), experts = static_cast<int64_t>(a.w13.size());
-      w13.clear(), p13.clear(), w2.clear(), p2.clear();
-      for (int64_t i = 0; i < k; ++i) {
-        const int64_t e = idx[i];
-        TORCH_CHECK(e >= 0 && e < experts, "layer ", l, ": routed to expert ", e, " of ", experts);
-        w13.push_back(a.w13[e]), p13.push_back(a.p13[e]), w2.push_back(a.w2[e]);
-        p2.push_back(a.p2[e]);
-      }
-      const at::Tensor routed =
-          edge0::swiglu_experts(h, w13, p13, w2, p2, expert_layout_, expert_isa_);
-      {
-        RECORD_FUNCTION("edge0::moe_combine", std::vector<c10::IValue>());
-        x = moe_combine(routed.unsqueeze(0), route[1], xh[0], std::nullopt, lanes_);
-      }
-      routed_sets.push_back(indices);
-    }
-    std::vector<at::Tensor> out = {x, at::cat(routed_sets)};
-    if (head_norm_.has_value()) {
-      RECORD_FUNCTION("edge0::lm_head", std::vector<c10::IValue>());
-      const at::Tensor h = edge0::rms_norm(x, *head_norm_, head_eps_, lanes_);
-      const std::vector<at::TensorList> head = {head_};
-      out.push_back(project(h, head, {head_scale_}, layout_, isa_ % edge0::kInt8Flag)[0]);
-    }
+    std::vector<at::Tensor> out = forward(x, cos, sin, k_caches, v_caches, n, 0);
+    out[1] = out[1].squeeze(1);  // [L, K]
     return out;
+  }
+
+  // step() for a batched decode step (models/base.py RowsForward): a token of each of B
+  // sequences, x [B, 1, D], their rotary rows as attention_rows takes them, and each layer's
+  // B key buffers, value buffers and positions, layer after layer (L * B of each). Every row
+  // is computed as step() computes it alone: attention over its own cache, the router row by
+  // row (linear_each_row), its experts through swiglu_experts or, from `rows_from` rows, each
+  // expert once over the rows routed to it (swiglu_int4_rows, the same bits per row), its
+  // weighted sum, final norm and LM head on its own. So each row's logits are its own step's,
+  // bit for bit, where the native layers' batched step rounds its LM head over the rows.
+  // Returns [x [B, 1, D], routed [L, B, K], and the logits [B, 1, V] with a head].
+  std::vector<at::Tensor> step_rows(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                    std::vector<at::Tensor> k_caches,
+                                    std::vector<at::Tensor> v_caches, std::vector<int64_t> n,
+                                    int64_t rows_from) {
+    RECORD_FUNCTION("edge0::decode_rows", std::vector<c10::IValue>());
+    TORCH_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) == 1, "x must be [B, 1, D]");
+    return forward(x, cos, sin, k_caches, v_caches, n, rows_from);
   }
 
   // The final norm and the LM head (blocks.py CausalLM: logits(backbone.norm(x))), for step()
@@ -623,6 +598,110 @@ class TokenDecoder : public torch::CustomClassHolder {
   }
 
  private:
+  // step() and step_rows(): x [B, 1, D] through every layer -> [x, routed [L, B, K], and the
+  // logits [B, 1, V] where the LM head was given].
+  std::vector<at::Tensor> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                  const std::vector<at::Tensor>& k_caches,
+                                  const std::vector<at::Tensor>& v_caches,
+                                  const std::vector<int64_t>& n, int64_t rows_from) {
+    const int64_t rows = x.size(0);
+    const size_t layers = layers_.size(), per_layer = static_cast<size_t>(rows);
+    TORCH_CHECK(k_caches.size() == layers * per_layer && v_caches.size() == layers * per_layer &&
+                    n.size() == layers * per_layer,
+                "one key buffer, value buffer and position per layer and row, layer after layer");
+    std::vector<at::Tensor> routed_sets;
+    routed_sets.reserve(layers);
+    for (size_t l = 0; l < layers; ++l) {
+      const LayerArgs& a = layers_[l];
+      const size_t from = l * per_layer;
+      std::vector<at::Tensor> xh;
+      {
+        RECORD_FUNCTION("edge0::attention_rows", std::vector<c10::IValue>());
+        xh = attention_rows(x, a.input_norm, a.input_eps, a.post_norm, a.post_eps, a.q, a.k, a.v,
+                            a.o, a.lora_scale, a.q_norm, a.k_norm, a.eps, cos, sin,
+                            at::TensorList(k_caches.data() + from, per_layer),
+                            at::TensorList(v_caches.data() + from, per_layer),
+                            at::IntArrayRef(n.data() + from, per_layer), a.heads, a.kv_heads,
+                            a.head_dim, a.scale, lanes_, layout_, isa_);
+      }
+      const at::Tensor h = xh[1].view({rows, -1});
+      std::vector<at::Tensor> route;
+      {
+        RECORD_FUNCTION("edge0::router_topk", std::vector<c10::IValue>());
+        route = router_topk(h, a.gate, a.gate_scale, a.top_k, a.norm_topk, std::nullopt);
+      }
+      const at::Tensor indices = route[2].contiguous();  // [B, K], int64
+      const at::Tensor routed = experts(a, l, h, indices, rows_from);  // [B, K, D]
+      {
+        RECORD_FUNCTION("edge0::moe_combine", std::vector<c10::IValue>());
+        if (rows == 1) {
+          x = moe_combine(routed, route[1], xh[0], std::nullopt, lanes_);
+        } else {  // each row's own sum, as its step alone computes it
+          std::vector<at::Tensor> xs;
+          for (int64_t b = 0; b < rows; ++b)
+            xs.push_back(moe_combine(routed.narrow(0, b, 1), route[1].narrow(0, b, 1),
+                                     xh[0].narrow(0, b, 1), std::nullopt, lanes_));
+          x = at::cat(xs);
+        }
+      }
+      routed_sets.push_back(indices);
+    }
+    std::vector<at::Tensor> out = {x, at::stack(routed_sets)};
+    if (head_norm_.has_value()) {
+      RECORD_FUNCTION("edge0::lm_head", std::vector<c10::IValue>());
+      const at::Tensor h = edge0::rms_norm(x, *head_norm_, head_eps_, lanes_);
+      const std::vector<at::TensorList> head = {head_};
+      out.push_back(project(h, head, {head_scale_}, layout_, isa_ % edge0::kInt8Flag)[0]);
+    }
+    return out;
+  }
+
+  // Layer l's routed experts for rows h [B, D] and their routing indices [B, K] -> [B, K, D]
+  // in h's dtype: each row's K in routing order through swiglu_experts (as the exact path's
+  // token() computes them), or, from `rows_from` rows (0: never), each expert once over the
+  // rows routed to it, as the exact path's rows_together does (engine/executors.py).
+  at::Tensor experts(const LayerArgs& a, size_t l, const at::Tensor& h,
+                     const at::Tensor& indices, int64_t rows_from) {
+    const int64_t rows = indices.size(0), k = indices.size(1), d = h.size(1);
+    const int64_t count = static_cast<int64_t>(a.w13.size());
+    const int64_t* idx = indices.data_ptr<int64_t>();
+    for (int64_t p = 0; p < rows * k; ++p)
+      TORCH_CHECK(idx[p] >= 0 && idx[p] < count, "layer ", l, ": routed to expert ", idx[p],
+                  " of ", count);
+    std::vector<at::Tensor> w13, p13, w2, p2;
+    if (rows_from < 2 || rows < rows_from) {
+      std::vector<at::Tensor> outs;
+      for (int64_t b = 0; b < rows; ++b) {
+        w13.clear(), p13.clear(), w2.clear(), p2.clear();
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t e = idx[b * k + j];
+          w13.push_back(a.w13[e]), p13.push_back(a.p13[e]), w2.push_back(a.w2[e]);
+          p2.push_back(a.p2[e]);
+        }
+        outs.push_back(edge0::swiglu_experts(h.narrow(0, b, 1), w13, p13, w2, p2,
+                                             expert_layout_, expert_isa_));
+      }
+      return at::stack(outs);
+    }
+    std::map<int64_t, std::vector<int64_t>> places;  // expert -> its places b * K + j
+    for (int64_t p = 0; p < rows * k; ++p) places[idx[p]].push_back(p);
+    std::vector<at::Tensor> tokens;
+    std::vector<int64_t> order;
+    for (const auto& [e, its] : places) {
+      std::vector<int64_t> its_rows;
+      for (int64_t p : its) its_rows.push_back(p / k);
+      tokens.push_back(at::tensor(its_rows, at::kLong));
+      order.insert(order.end(), its.begin(), its.end());
+      w13.push_back(a.w13[e]), p13.push_back(a.p13[e]), w2.push_back(a.w2[e]);
+      p2.push_back(a.p2[e]);
+    }
+    const at::Tensor computed = edge0::swiglu_experts_rows(h, tokens, w13, p13, w2, p2,
+                                                           expert_layout_, expert_isa_);
+    at::Tensor out = at::empty({rows * k, d}, h.options());
+    out.index_copy_(0, at::tensor(order, at::kLong), computed.to(h.scalar_type()));
+    return out.view({rows, k, d});
+  }
+
   int64_t lanes_;
   std::vector<int64_t> layout_;
   int64_t isa_;
@@ -646,7 +725,8 @@ TORCH_LIBRARY(edge0, m) {
       .def("set_head", &TokenDecoder::set_head)
       .def("set_embedding", &TokenDecoder::set_embedding)
       .def("embed", &TokenDecoder::embed)
-      .def("step", &TokenDecoder::step);
+      .def("step", &TokenDecoder::step)
+      .def("step_rows", &TokenDecoder::step_rows);
   m.def(
       "attention_rows(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "
       "float post_eps, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, Tensor[] o_proj, "

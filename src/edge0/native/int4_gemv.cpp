@@ -1093,6 +1093,12 @@ at::Tensor swiglu_experts(const at::Tensor& x, at::TensorList w13, at::TensorLis
   return swiglu_int4_gemv(x, w13, p13, w2, p2, layout, isa);
 }
 
+at::Tensor swiglu_experts_rows(const at::Tensor& x, at::TensorList tokens, at::TensorList w13,
+                               at::TensorList p13, at::TensorList w2, at::TensorList p2,
+                               at::IntArrayRef layout, int64_t isa) {
+  return swiglu_int4_rows(x, tokens, w13, p13, w2, p2, layout, isa);
+}
+
 }  // namespace edge0
 
 TORCH_LIBRARY_FRAGMENT(edge0, m) {

@@ -31,4 +31,11 @@ at::Tensor swiglu_experts(const at::Tensor& x, at::TensorList w13, at::TensorLis
                           at::TensorList w2, at::TensorList p2, at::IntArrayRef layout,
                           int64_t isa);
 
+// edge0::swiglu_int4_rows: rows of x [T, D] through experts, expert e on the rows tokens[e]
+// (int64 [n]) -> fp32 [R, D], the (expert, row) pairs in that order, each row what
+// swiglu_experts computes for it alone, bit for bit.
+at::Tensor swiglu_experts_rows(const at::Tensor& x, at::TensorList tokens, at::TensorList w13,
+                               at::TensorList p13, at::TensorList w2, at::TensorList p2,
+                               at::IntArrayRef layout, int64_t isa);
+
 }  // namespace edge0

@@ -100,7 +100,8 @@ class NativeBackend(Backend):
     def token_decoder(self, model: nn.Module, layers: dict, pool, experts: ExpertOps):
         if not isinstance(experts, NativeExperts) or not NativeToken.servable(model, layers):
             return None
-        return NativeToken(model, layers, pool, experts.layout, experts.isa, self.options.cache_dir)
+        cache = self.options.cache_dir
+        return NativeToken(model, layers, pool, experts.layout, experts.isa, cache, ROWS_TOGETHER)
 
     def attend_rows(self) -> Callable:
         return native.op("attend_rows", self.options.cache_dir)

@@ -11,13 +11,19 @@ call, ~12 ATen ops and 0.25 ms a token) and runs the final norm and the LM head 
 head it takes as a projection, after an RMSNorm); for other embeddings and heads the modules
 run, before and after the call.
 
+A batched decode step of several requests (Engine.step_rows) goes through the same call
+(`rows`, TokenDecoder.step_rows): each row is computed as its own step computes it, up to
+and with the LM head, so each row's logits are its step's bits. Through the layers one by
+one such a step also paid the Python of grouping the rows' experts, and its LM head ran
+over all rows at once.
+
 It serves a step the engine would take through the exact path with every layer a native
 layer: no prerouter (every layer routes by its own router), an MoE block in every layer
 with softmax top-k routing on a float router in the activations' dtype and no shared
-expert, full rotary of one head size, a float cache of one request, and a pool that holds
-every expert of every layer, all loaded (the decoder keeps a table of their tensors). Any
-other step returns None and the caller takes the per-layer path. The decoder is built again
-when a projection, the router, an adapter's switch or the pool's slots change.
+expert, full rotary of one head size, float caches of one request each, and a pool that
+holds every expert of every layer, all loaded (the decoder keeps a table of their tensors).
+Any other step returns None and the caller takes the per-layer path. The decoder is built
+again when a projection, the router, an adapter's switch or the pool's slots change.
 
 Shape legend: L decoder layers, K active, D hidden, V vocabulary.
 """
@@ -35,9 +41,10 @@ from edge0.store.pool import ExpertPool
 
 
 class NativeToken:
-    """One request's decode token through every layer in one call (see the module
-    docstring); `layers` are the native backend's stand-ins, `layout` and `isa` its expert
-    ops' (the pool's arrangement and the kernel path)."""
+    """A decode token of one request, or of each of a batched step's, through every layer
+    in one call (see the module docstring); `layers` are the native backend's stand-ins,
+    `layout` and `isa` its expert ops' (the pool's arrangement and the kernel path),
+    `rows_from` the rows from which a batched step computes each expert once over its rows."""
 
     def __init__(
         self,
@@ -47,8 +54,10 @@ class NativeToken:
         layout: list[int],
         isa: int,
         cache_dir=None,
+        rows_from: int = 0,
     ):
         self.model, self.pool, self.layout, self.isa = model, pool, layout, isa
+        self.rows_from = rows_from
         self.stand_ins = [layers[i] for i in range(len(model.backbone.layers))]
         self.num_experts = model.config.num_experts
         self._decoder_class = native.token_decoder(cache_dir)
@@ -132,7 +141,16 @@ class NativeToken:
     def __call__(self, cache: KVCache, token: int) -> torch.Tensor | None:
         """The next logits [1, V] after `token`, written into `cache`; None (nothing done)
         where the op does not serve this step."""
-        if type(cache) is not KVCache or cache.quantized or cache.k[0].shape[0] != 1:
+        return self._step([cache], [token])
+
+    def rows(self, caches: list[KVCache], tokens: list[int]) -> torch.Tensor | None:
+        """A batched decode step (TokenDecoder.step_rows): the next logits [B, V] after each
+        request's token, each row its own step's bits, written into its cache; None (nothing
+        done) where the op does not serve this step."""
+        return self._step(caches, tokens)
+
+    def _step(self, caches: list[KVCache], tokens: list[int]) -> torch.Tensor | None:
+        if not all(type(c) is KVCache and not c.quantized and c.k[0].shape[0] == 1 for c in caches):
             return None
         model = self.model
         backbone = model.backbone
@@ -142,15 +160,28 @@ class NativeToken:
         if decoder is None:
             return None
         if native_embedding:
-            x = decoder.embed(token)
+            rows = [decoder.embed(t) for t in tokens]
+            x = rows[0] if len(rows) == 1 else torch.cat(rows)
         else:
-            x = embedding(torch.tensor([[token]], dtype=torch.long))
-        cos, sin = model.rotary(cache.positions(1), x.dtype)
-        slots = [cache.slot(i, 1) for i in range(len(self.stand_ins))]
-        n = list(cache.length)
-        out = decoder.step(x, cos, sin, [s[0] for s in slots], [s[1] for s in slots], n)
-        for i in range(len(n)):
-            cache.length[i] = n[i] + 1
+            x = embedding(torch.tensor([[t] for t in tokens], dtype=torch.long))
+        layers = range(len(self.stand_ins))
+        if len(caches) == 1:  # the rotary row as the model's forward computes it (positions)
+            cache = caches[0]
+            cos, sin = model.rotary(cache.positions(1), x.dtype)
+            slots = [cache.slot(i, 1) for i in layers]
+            n = list(cache.length)
+            args = (x, cos, sin, [s[0] for s in slots], [s[1] for s in slots], n)
+            out = decoder.step(*args)
+        else:  # as a RowsForward's (RowCaches.positions), every layer's rows in turn
+            positions = torch.stack([c.positions(1) for c in caches])[:, None]
+            cos, sin = model.rotary(positions, x.dtype)
+            slots = [c.slot(i, 1) for i in layers for c in caches]
+            n = [c.length[i] for i in layers for c in caches]
+            args = (x, cos, sin, [s[0] for s in slots], [s[1] for s in slots], n)
+            out = decoder.step_rows(*args, self.rows_from)
+        for c in caches:
+            for i in layers:
+                c.length[i] += 1
         self.pool.count_hits(out[1].numel())  # as the exact path's lookups count them
         if len(out) == 3:  # the op ran the final norm and the LM head
             return out[2][:, -1]
