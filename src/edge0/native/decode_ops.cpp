@@ -681,7 +681,7 @@ class TokenDecoder : public torch::CustomClassHolder {
         outs.push_back(edge0::swiglu_experts(h.narrow(0, b, 1), w13, p13, w2, p2,
                                              expert_layout_, expert_isa_));
       }
-      return at::stack(outs);
+      return rows == 1 ? outs[0].unsqueeze(0) : at::stack(outs);
     }
     std::map<int64_t, std::vector<int64_t>> places;  // expert -> its places b * K + j
     for (int64_t p = 0; p < rows * k; ++p) places[idx[p]].push_back(p);
