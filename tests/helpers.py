@@ -171,3 +171,32 @@ if __name__ == "__main__":  # `python tests/helpers.py --other-capabilities`, fo
         sys.exit("usage: helpers.py --other-capabilities")
     native = torch.backends.cpu.get_cpu_capability().lower()
     print(" ".join(c for c in cpu_capabilities() if c != native))
+
+
+def rows_logits(
+    engine, steps: int = 6, alone: bool = False, prompts: list[list[int]] | None = None
+) -> list[torch.Tensor]:
+    """Engine.step_rows of several requests at different positions, greedy: every row's
+    logits of every step (`alone`: each request's own step instead). The prompts: by default
+    three (one of a single token, whose first decode step follows a one-token prompt); token
+    ids past a small vocabulary wrap around."""
+    if prompts is None:
+        tok, vocab = engine.tokenizer, engine.model.config.vocab_size
+        texts = ["def read_config(path):", "import os\n" * 9]
+        prompts = [[t % vocab for t in tok.encode(text)] for text in texts] + [[7]]
+    reqs = [engine.new_request() for _ in prompts]
+    try:
+        first = [engine.prefill(r, ids) for r, ids in zip(reqs, prompts, strict=True)]
+        tokens = [int(x.argmax()) for x in first]
+        out = []
+        for _ in range(steps):
+            if alone:
+                step = [engine.step(r, t) for r, t in zip(reqs, tokens, strict=True)]
+            else:
+                step = engine.step_rows(reqs, tokens)
+            tokens = [int(x.argmax()) for x in step]
+            out += step
+        return out
+    finally:
+        for r in reqs:
+            r.release()

@@ -24,6 +24,7 @@ from edge0.engine.load import load_engine
 from edge0.engine.options import EngineOptions
 from edge0.formats import int4_layout, quant
 from edge0.formats.extents import ExpertTensors, ExtentLayout
+from helpers import rows_logits
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
@@ -498,31 +499,6 @@ def test_int8_activations_are_checked_and_the_torch_path_is_bf16():
         assert engine.options.int4_activations == "bf16"
     finally:
         engine.close()
-
-
-def rows_logits(engine, steps: int = 6, alone: bool = False) -> list[torch.Tensor]:
-    """step_rows of three requests at different positions (one its first decode token after a
-    one-token prompt), greedy: every row's logits of every step (`alone`: each request's own
-    step instead). (Token ids past a small vocabulary wrap around.)"""
-    tok, vocab = engine.tokenizer, engine.model.config.vocab_size
-    texts = ["def read_config(path):", "import os\n" * 9]
-    prompts = [[t % vocab for t in tok.encode(text)] for text in texts] + [[7]]
-    reqs = [engine.new_request() for _ in prompts]
-    try:
-        first = [engine.prefill(r, ids) for r, ids in zip(reqs, prompts, strict=True)]
-        tokens = [int(x.argmax()) for x in first]
-        out = []
-        for _ in range(steps):
-            if alone:
-                step = [engine.step(r, t) for r, t in zip(reqs, tokens, strict=True)]
-            else:
-                step = engine.step_rows(reqs, tokens)
-            tokens = [int(x.argmax()) for x in step]
-            out += step
-        return out
-    finally:
-        for r in reqs:
-            r.release()
 
 
 def lm_head_inputs(engine, alone: bool = False) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ from edge0 import builtin
 from edge0.engine.load import load_engine
 from edge0.engine.options import EngineOptions
 from edge0.models import lora
+from helpers import rows_logits
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
@@ -96,27 +97,12 @@ def test_the_built_in_model_decodes_the_same_in_one_call():
         engine.close()
 
 
-def batched(engine, requests: int, alone: bool = False, steps: int = 5) -> list[torch.Tensor]:
-    """`requests` requests at different positions (prompts of 1 to `requests` tokens), greedy
-    decode steps of all of them through step_rows (`alone`: each request's own step) ->
-    every row's logits of every step."""
+def batched(engine, requests: int, alone: bool = False) -> list[torch.Tensor]:
+    """rows_logits of `requests` requests at different positions (prompts of 1 to `requests`
+    tokens), 5 steps."""
     vocab = engine.model.config.vocab_size
     ids = [t % vocab for t in engine.tokenizer.encode("def read_config(path): return path")]
-    reqs = [engine.new_request() for _ in range(requests)]
-    try:
-        tokens = [int(engine.prefill(r, ids[: i + 1]).argmax()) for i, r in enumerate(reqs)]
-        out = []
-        for _ in range(steps):
-            if alone:
-                logits = [engine.step(r, t) for r, t in zip(reqs, tokens, strict=True)]
-            else:
-                logits = engine.step_rows(reqs, tokens)
-            tokens = [int(x.argmax()) for x in logits]
-            out += logits
-        return out
-    finally:
-        for r in reqs:
-            r.release()
+    return rows_logits(engine, 5, alone, [ids[: i + 1] for i in range(requests)])
 
 
 @pytest.mark.parametrize("requests", [3, 5], ids=["row-by-row", "experts-over-rows"])
