@@ -474,11 +474,12 @@ struct LayerArgs {
 // in the same order, so the same bits; what it removes is the Python and the dispatch between
 // them, ~24 layers x 5 calls a token. Each layer is added once (`add_layer`: its weights, its
 // router and the tensors of every one of its experts, which must stay where they are: the
-// engine hands over a pool that holds every expert). `step` takes the token's embedding x
-// [1, 1, D], its rotary row and each layer's cache buffers and position, and returns the
-// last layer's output and every layer's routed experts [L, K], and the logits [1, 1, V] where
-// the LM head was given (`set_head`). `step_rows` does the same for a token of each of B sequences, each row
-// as step() computes it alone.
+// engine hands over a pool that holds every expert). `step` takes a token of each of B
+// sequences (one request's step: B = 1; a batched step, models/base.py RowsForward: B > 1),
+// their embeddings x [B, 1, D], their rotary rows, and each layer's B cache buffers and
+// positions; it returns the last layer's output, every layer's routed experts [L, B, K], and
+// the logits [B, 1, V] where the LM head was given (`set_head`). Each row is computed as a
+// step of it alone, so a row's logits are its own step's bits (see step()).
 class TokenDecoder : public torch::CustomClassHolder {
  public:
   TokenDecoder(int64_t lanes, std::vector<int64_t> layout, int64_t isa,
@@ -508,34 +509,6 @@ class TokenDecoder : public torch::CustomClassHolder {
                        std::move(lora_scale), std::move(q_norm), std::move(k_norm), eps, heads,
                        kv_heads, head_dim, scale, std::move(gate), gate_scale, top_k, norm_topk,
                        std::move(w13), std::move(p13), std::move(w2), std::move(p2)});
-  }
-
-  std::vector<at::Tensor> step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
-                               std::vector<int64_t> n) {
-    RECORD_FUNCTION("edge0::decode_token", std::vector<c10::IValue>());
-    TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "x must be [1, 1, D]");
-    std::vector<at::Tensor> out = forward(x, cos, sin, k_caches, v_caches, n, 0);
-    out[1] = out[1].squeeze(1);  // [L, K]
-    return out;
-  }
-
-  // step() for a batched decode step (models/base.py RowsForward): a token of each of B
-  // sequences, x [B, 1, D], their rotary rows as attention_rows takes them, and each layer's
-  // B key buffers, value buffers and positions, layer after layer (L * B of each). Every row
-  // is computed as step() computes it alone: attention over its own cache, the router row by
-  // row (linear_each_row), its experts through swiglu_experts or, from `rows_from` rows, each
-  // expert once over the rows routed to it (swiglu_int4_rows, the same bits per row), its
-  // weighted sum, final norm and LM head on its own. So each row's logits are its own step's,
-  // bit for bit, where the native layers' batched step rounds its LM head over the rows.
-  // Returns [x [B, 1, D], routed [L, B, K], and the logits [B, 1, V] with a head].
-  std::vector<at::Tensor> step_rows(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                                    std::vector<at::Tensor> k_caches,
-                                    std::vector<at::Tensor> v_caches, std::vector<int64_t> n,
-                                    int64_t rows_from) {
-    RECORD_FUNCTION("edge0::decode_rows", std::vector<c10::IValue>());
-    TORCH_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) == 1, "x must be [B, 1, D]");
-    return forward(x, cos, sin, k_caches, v_caches, n, rows_from);
   }
 
   // The final norm and the LM head (blocks.py CausalLM: logits(backbone.norm(x))), for step()
@@ -597,13 +570,17 @@ class TokenDecoder : public torch::CustomClassHolder {
     return out;
   }
 
- private:
-  // step() and step_rows(): x [B, 1, D] through every layer -> [x, routed [L, B, K], and the
-  // logits [B, 1, V] where the LM head was given].
-  std::vector<at::Tensor> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                                  const std::vector<at::Tensor>& k_caches,
-                                  const std::vector<at::Tensor>& v_caches,
-                                  const std::vector<int64_t>& n, int64_t rows_from) {
+  // Every row as a step of it alone computes it: attention over its own cache, the router
+  // row by row (linear_each_row), its experts through swiglu_experts or, from `rows_from`
+  // rows (0: never), each expert once over the rows routed to it (swiglu_int4_rows, the same
+  // bits per row), its weighted sum, final norm and LM head on its own. So each row's logits
+  // are its own step's, bit for bit, where the native layers' batched step rounds its LM
+  // head over the rows. The caches and positions: layer after layer, B of each.
+  std::vector<at::Tensor> step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                               std::vector<int64_t> n, int64_t rows_from) {
+    RECORD_FUNCTION("edge0::decode_token", std::vector<c10::IValue>());
+    TORCH_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) == 1, "x must be [B, 1, D]");
     const int64_t rows = x.size(0);
     const size_t layers = layers_.size(), per_layer = static_cast<size_t>(rows);
     TORCH_CHECK(k_caches.size() == layers * per_layer && v_caches.size() == layers * per_layer &&
@@ -656,6 +633,7 @@ class TokenDecoder : public torch::CustomClassHolder {
     return out;
   }
 
+ private:
   // Layer l's routed experts for rows h [B, D] and their routing indices [B, K] -> [B, K, D]
   // in h's dtype: each row's K in routing order through swiglu_experts (as the exact path's
   // token() computes them), or, from `rows_from` rows (0: never), each expert once over the
@@ -725,8 +703,7 @@ TORCH_LIBRARY(edge0, m) {
       .def("set_head", &TokenDecoder::set_head)
       .def("set_embedding", &TokenDecoder::set_embedding)
       .def("embed", &TokenDecoder::embed)
-      .def("step", &TokenDecoder::step)
-      .def("step_rows", &TokenDecoder::step_rows);
+      .def("step", &TokenDecoder::step);
   m.def(
       "attention_rows(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "
       "float post_eps, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, Tensor[] o_proj, "

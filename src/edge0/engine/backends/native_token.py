@@ -12,7 +12,7 @@ head it takes as a projection, after an RMSNorm); for other embeddings and heads
 run, before and after the call.
 
 A batched decode step of several requests (Engine.step_rows) goes through the same call
-(`rows`, TokenDecoder.step_rows): each row is computed as its own step computes it, up to
+(`rows`): each row is computed as its own step computes it, up to
 and with the LM head, so each row's logits are its step's bits. Through the layers one by
 one such a step also paid the Python of grouping the rows' experts, and its LM head ran
 over all rows at once.
@@ -141,15 +141,12 @@ class NativeToken:
     def __call__(self, cache: KVCache, token: int) -> torch.Tensor | None:
         """The next logits [1, V] after `token`, written into `cache`; None (nothing done)
         where the op does not serve this step."""
-        return self._step([cache], [token])
+        return self.rows([cache], [token])
 
     def rows(self, caches: list[KVCache], tokens: list[int]) -> torch.Tensor | None:
-        """A batched decode step (TokenDecoder.step_rows): the next logits [B, V] after each
-        request's token, each row its own step's bits, written into its cache; None (nothing
-        done) where the op does not serve this step."""
-        return self._step(caches, tokens)
-
-    def _step(self, caches: list[KVCache], tokens: list[int]) -> torch.Tensor | None:
+        """A decode step of each request (a batched step where several): the next logits
+        [B, V] after each one's token, each row its own step's bits, written into its cache;
+        None (nothing done) where the op does not serve this step."""
         if not all(type(c) is KVCache and not c.quantized and c.k[0].shape[0] == 1 for c in caches):
             return None
         model = self.model
@@ -164,21 +161,15 @@ class NativeToken:
             x = rows[0] if len(rows) == 1 else torch.cat(rows)
         else:
             x = embedding(torch.tensor([[t] for t in tokens], dtype=torch.long))
+        # the rotary rows as a RowsForward computes them (RowCaches.positions): for one
+        # request the values of its own forward's, in a [1, 1, 1, Dh] view
+        positions = torch.stack([c.positions(1) for c in caches])[:, None]
+        cos, sin = model.rotary(positions, x.dtype)
         layers = range(len(self.stand_ins))
-        if len(caches) == 1:  # the rotary row as the model's forward computes it (positions)
-            cache = caches[0]
-            cos, sin = model.rotary(cache.positions(1), x.dtype)
-            slots = [cache.slot(i, 1) for i in layers]
-            n = list(cache.length)
-            args = (x, cos, sin, [s[0] for s in slots], [s[1] for s in slots], n)
-            out = decoder.step(*args)
-        else:  # as a RowsForward's (RowCaches.positions), every layer's rows in turn
-            positions = torch.stack([c.positions(1) for c in caches])[:, None]
-            cos, sin = model.rotary(positions, x.dtype)
-            slots = [c.slot(i, 1) for i in layers for c in caches]
-            n = [c.length[i] for i in layers for c in caches]
-            args = (x, cos, sin, [s[0] for s in slots], [s[1] for s in slots], n)
-            out = decoder.step_rows(*args, self.rows_from)
+        slots = [c.slot(i, 1) for i in layers for c in caches]  # every layer's rows in turn
+        n = [c.length[i] for i in layers for c in caches]
+        k, v = [s[0] for s in slots], [s[1] for s in slots]
+        out = decoder.step(x, cos, sin, k, v, n, self.rows_from)
         for c in caches:
             for i in layers:
                 c.length[i] += 1
