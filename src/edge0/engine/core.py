@@ -92,6 +92,10 @@ class Engine:
         self.token = None
         if prerouter is None and plan.holds_every_expert:
             self.token = backend.token_decoder(model, self.layers, pool, self.experts)
+        # a request's staged token through every layer in one call (native_staged.py)
+        self.staged = None
+        if prerouter is not None:
+            self.staged = backend.staged_decoder(model, self.layers, pool, self.experts, prerouter)
         bound = plan.floor.prefix_cache
         self.prefix_cache = PrefixCache(bound) if bound else None
         self.decode_stats = DecodeStats()
@@ -262,6 +266,8 @@ class Engine:
         logits = None
         if self.token is not None and req.decode is self._exact:
             logits = self.token(req.cache, token)  # None: not a step it serves
+        elif self.staged is not None and req.pre is not None:
+            logits = self.staged.step(req.cache, token, req.pre)  # None: not served
         if logits is None:
             x = torch.tensor([[token]], dtype=torch.long)
             logits = decode.step(self.model, req.cache, x, req.pre, req.decode, self.layers)
@@ -336,6 +342,9 @@ class Engine:
 
     def close(self) -> None:
         self.token = None  # its table of expert views keeps the pool's memory alive
+        if self.staged is not None:
+            self.staged.close()
+            self.staged = None
         if self.prerouter is not None:
             self.prerouter.close()
         self.pool.close()

@@ -22,6 +22,9 @@ they remove is the Python, the dispatch and the dtype round trips between that p
   torch.classes.edge0.TokenDecoder  a decode token of one request through every decoder
                                     layer in one call: the ops above, layer after layer
                                     (decode_ops.cpp; engine/backends/native_token.py)
+  torch.classes.edge0.Handoff       what a staged token's call shares with the pool's Python
+                                    side: slot states and messages (handoff.h;
+                                    engine/backends/native_staged.py)
   torch.ops.edge0.prerouter_head    a prerouter head on a few decode rows from its fp16
                                     weights, and its consumer's staged set (heads.cpp: the
                                     one op whose sums are its own, the same on every CPU)
@@ -68,7 +71,10 @@ SOURCES = [
     Path(__file__).with_name(n)
     for n in ("attention.cpp", "decode_ops.cpp", "heads.cpp", "int4_gemv.cpp", "norms.cpp")
 ]
-HEADERS = [Path(__file__).with_name(n) for n in ("attention.h", "int4_gemv.h", "norms.h")]
+HEADERS = [
+    Path(__file__).with_name(n)
+    for n in ("attention.h", "handoff.h", "heads.h", "int4_gemv.h", "norms.h")
+]
 ISA_PATHS = ("portable", "avx2", "avx512")  # int4_gemv.cpp's paths, by their code
 INT8 = 16  # added to a path's code: its int8-activation kernel (int4_gemv.cpp, Path)
 # heads.cpp computes the same bits on each of its paths: it takes the widest the CPU has
@@ -235,6 +241,13 @@ def token_decoder(cache_dir: Path | None = None) -> Callable:
     layer in one call), built and loaded if need be."""
     load(cache_dir)
     return torch.classes.edge0.TokenDecoder
+
+
+def handoff(cache_dir: Path | None = None) -> Callable:
+    """The library's edge0.Handoff class (handoff.h: what a staged decode token in one call
+    shares with the pool's Python side), built and loaded if need be."""
+    load(cache_dir)
+    return torch.classes.edge0.Handoff
 
 
 def put_in_int8_order(codes: torch.Tensor, own: Int4Layout) -> None:

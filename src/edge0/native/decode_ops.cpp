@@ -24,9 +24,12 @@
 #include <torch/library.h>
 
 #include "attention.h"
+#include "handoff.h"
+#include "heads.h"
 #include "int4_gemv.h"
 #include "norms.h"
 
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -498,10 +501,12 @@ class TokenDecoder : public torch::CustomClassHolder {
                  std::vector<at::Tensor> gate, double gate_scale, int64_t top_k, bool norm_topk,
                  std::vector<at::Tensor> w13, std::vector<at::Tensor> p13,
                  std::vector<at::Tensor> w2, std::vector<at::Tensor> p2) {
+    // every expert's tensors, or none: the staged step takes its experts from the pool's slots
     const size_t n = w13.size();
-    TORCH_CHECK(n > 0 && p13.size() == n && w2.size() == n && p2.size() == n,
-                "a layer needs every expert's w13, p13, w2 and p2");
-    TORCH_CHECK(top_k >= 1 && top_k <= static_cast<int64_t>(n), "top_k must be 1 to ", n);
+    TORCH_CHECK(p13.size() == n && w2.size() == n && p2.size() == n,
+                "a layer needs every expert's w13, p13, w2 and p2, or none");
+    TORCH_CHECK(top_k >= 1 && (n == 0 || top_k <= static_cast<int64_t>(n)), "top_k must be 1 to ",
+                n);
     TORCH_CHECK(gate.size() == 1 || gate.size() == 3, "gate is [weight] or [weight, A, B]");
     TORCH_CHECK(lora_scale.size() == 4, "one LoRA scale per projection");
     layers_.push_back({std::move(input_norm), std::move(post_norm), input_eps, post_eps,
@@ -582,25 +587,13 @@ class TokenDecoder : public torch::CustomClassHolder {
     RECORD_FUNCTION("edge0::decode_token", std::vector<c10::IValue>());
     TORCH_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) == 1, "x must be [B, 1, D]");
     const int64_t rows = x.size(0);
-    const size_t layers = layers_.size(), per_layer = static_cast<size_t>(rows);
-    TORCH_CHECK(k_caches.size() == layers * per_layer && v_caches.size() == layers * per_layer &&
-                    n.size() == layers * per_layer,
-                "one key buffer, value buffer and position per layer and row, layer after layer");
+    const size_t layers = layers_.size();
+    check_caches(rows, k_caches, v_caches, n);
     std::vector<at::Tensor> routed_sets;
     routed_sets.reserve(layers);
     for (size_t l = 0; l < layers; ++l) {
       const LayerArgs& a = layers_[l];
-      const size_t from = l * per_layer;
-      std::vector<at::Tensor> xh;
-      {
-        RECORD_FUNCTION("edge0::attention_rows", std::vector<c10::IValue>());
-        xh = attention_rows(x, a.input_norm, a.input_eps, a.post_norm, a.post_eps, a.q, a.k, a.v,
-                            a.o, a.lora_scale, a.q_norm, a.k_norm, a.eps, cos, sin,
-                            at::TensorList(k_caches.data() + from, per_layer),
-                            at::TensorList(v_caches.data() + from, per_layer),
-                            at::IntArrayRef(n.data() + from, per_layer), a.heads, a.kv_heads,
-                            a.head_dim, a.scale, lanes_, layout_, isa_);
-      }
+      const std::vector<at::Tensor> xh = attention(l, x, cos, sin, k_caches, v_caches, n);
       const at::Tensor h = xh[1].view({rows, -1});
       std::vector<at::Tensor> route;
       {
@@ -624,16 +617,219 @@ class TokenDecoder : public torch::CustomClassHolder {
       routed_sets.push_back(indices);
     }
     std::vector<at::Tensor> out = {x, at::stack(routed_sets)};
-    if (head_norm_.has_value()) {
-      RECORD_FUNCTION("edge0::lm_head", std::vector<c10::IValue>());
-      const at::Tensor h = edge0::rms_norm(x, *head_norm_, head_eps_, lanes_);
-      const std::vector<at::TensorList> head = {head_};
-      out.push_back(project(h, head, {head_scale_}, layout_, isa_ % edge0::kInt8Flag)[0]);
+    if (head_norm_.has_value()) out.push_back(lm_head(x));
+    return out;
+  }
+
+  // The pool's slots as the staged step takes its experts (`set_slots`): each slot's tensors,
+  // made once for the pool's life, and the handoff whose states and messages the step shares
+  // with the pool's Python side (handoff.h).
+  void set_slots(std::vector<at::Tensor> w13, std::vector<at::Tensor> p13,
+                 std::vector<at::Tensor> w2, std::vector<at::Tensor> p2,
+                 c10::intrusive_ptr<edge0::Handoff> handoff) {
+    const size_t n = w13.size();
+    TORCH_CHECK(n > 0 && p13.size() == n && w2.size() == n && p2.size() == n &&
+                    static_cast<int64_t>(n) == handoff->slots(),
+                "every slot's w13, p13, w2 and p2, as many as the handoff's slots");
+    slot_w13_ = std::move(w13), slot_p13_ = std::move(p13), slot_w2_ = std::move(w2);
+    slot_p2_ = std::move(p2);
+    handoff_ = std::move(handoff);
+  }
+
+  // The prerouter (prerouter/runtime.py) as the staged step runs it: which layers route by a
+  // prediction (`consumers`, ascending: row i of the step's `predicted` is consumers[i]'s), and
+  // each owner's head (native/heads.cpp's fp16 parts) with the consumer it stages for.
+  void set_consumers(std::vector<int64_t> consumers) {
+    consumer_row_.assign(layers_.size(), -1);
+    for (size_t i = 0; i < consumers.size(); ++i) {
+      TORCH_CHECK(consumers[i] >= 0 && consumers[i] < static_cast<int64_t>(layers_.size()),
+                  "consumer ", consumers[i], " is not a layer");
+      consumer_row_[consumers[i]] = static_cast<int64_t>(i);
     }
+  }
+
+  void add_head(int64_t owner, int64_t consumer, at::Tensor w1, at::Tensor w1_hot, at::Tensor w2,
+                at::Tensor w0, at::Tensor w0_hot, int64_t isa) {
+    TORCH_CHECK(owner >= 0 && owner < static_cast<int64_t>(layers_.size()) && consumer > owner &&
+                    consumer < static_cast<int64_t>(layers_.size()),
+                "head of layer ", owner, " for layer ", consumer);
+    head_row_.resize(layers_.size(), -1);
+    TORCH_CHECK(head_row_[owner] < 0, "layer ", owner, " has a head already");
+    head_row_[owner] = static_cast<int64_t>(heads_.size());
+    heads_.push_back({consumer, std::move(w1), std::move(w1_hot), std::move(w2), std::move(w0),
+                      std::move(w0_hot), isa});
+  }
+
+  // A staged decode token of one sequence (prerouter/runtime.py, engine/executors.py
+  // StagedExecutor), every layer in one call, as the native layers compute it one by one:
+  // - a consumer routes by softmax_topk of its prediction (`predicted` [C, E] fp32, row
+  //   consumer_row_), any other layer by router_topk of its own router;
+  // - an owner's head runs on the layer's MoE input with the experts it routed to and those it
+  //   ran a step before (`previous` [H, K'], by head), and its consumer's top-K for the next
+  //   token goes to the Python side to read (kStage, with the K slots it keeps for its own
+  //   reads where its own experts were not staged), while the layers after it compute;
+  // - the layer's experts come from the slots staged for it (`staged` [L, 2, K]: its experts,
+  //   ascending, then their slots; -1: not staged), or, where a routed expert was not staged,
+  //   from slots the Python side pins and reads now (kNeed); the call waits for their reads
+  //   (handoff.h), computes them in routing order (swiglu_experts), and lets them go (kRelease).
+  // The same ops on the same tensors in the same order: the native layers' bits.
+  // -> [last layer's output, routed [L, 1, K], heads' logits [H, E] fp32, their chosen [H, K],
+  // their MoE inputs [H, D], counters int64 [3] (ns waited for reads, ns in heads, routed
+  // experts that were not staged), logits [1, 1, V] where the LM head is set].
+  std::vector<at::Tensor> staged_step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                      std::vector<at::Tensor> k_caches,
+                                      std::vector<at::Tensor> v_caches, std::vector<int64_t> n,
+                                      const at::Tensor& predicted, const at::Tensor& staged,
+                                      const at::Tensor& previous) {
+    RECORD_FUNCTION("edge0::decode_staged", std::vector<c10::IValue>());
+    TORCH_CHECK(handoff_, "set_slots first: the staged step takes its experts from the slots");
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "x must be [1, 1, D]");
+    check_caches(1, k_caches, v_caches, n);
+    const int64_t layers = static_cast<int64_t>(layers_.size());
+    consumer_row_.resize(layers, -1);
+    head_row_.resize(layers, -1);
+    const int64_t k = layers_[0].top_k;
+    for (const LayerArgs& a : layers_) TORCH_CHECK(a.top_k == k, "one top_k for every layer");
+    TORCH_CHECK(predicted.scalar_type() == at::kFloat && predicted.dim() == 2,
+                "predicted must be fp32 [C, E]");
+    TORCH_CHECK(staged.scalar_type() == at::kLong && staged.is_contiguous() &&
+                    staged.sizes() == at::IntArrayRef({layers, 2, k}),
+                "staged must be contiguous int64 [L, 2, K]");
+    TORCH_CHECK(previous.scalar_type() == at::kLong && previous.dim() == 2 &&
+                    previous.size(0) == static_cast<int64_t>(heads_.size()),
+                "previous must be int64 [H, K']");
+    const int64_t* st = staged.data_ptr<int64_t>();
+    std::vector<at::Tensor> routed_sets, head_logits, head_chosen, head_h;
+    int64_t blocked = 0, head_ns = 0, dropped = 0;
+    try {
+      for (int64_t l = 0; l < layers; ++l) {
+        const LayerArgs& a = layers_[l];
+        const std::vector<at::Tensor> xh = attention(l, x, cos, sin, k_caches, v_caches, n);
+        const at::Tensor h = xh[1].view({1, -1});
+        at::Tensor weights, indices;
+        if (consumer_row_[l] >= 0) {
+          TORCH_CHECK(consumer_row_[l] < predicted.size(0), "no prediction for layer ", l);
+          RECORD_FUNCTION("edge0::softmax_topk", std::vector<c10::IValue>());
+          const auto route = softmax_topk(predicted.narrow(0, consumer_row_[l], 1), a.top_k,
+                                          a.norm_topk, std::nullopt);
+          weights = route[0], indices = route[1].contiguous();
+        } else {
+          RECORD_FUNCTION("edge0::router_topk", std::vector<c10::IValue>());
+          const auto route = router_topk(h, a.gate, a.gate_scale, a.top_k, a.norm_topk,
+                                         std::nullopt);
+          weights = route[1], indices = route[2].contiguous();
+        }
+        const int64_t* own = st + l * 2 * k;  // the layer's staged experts, then their slots
+        const bool was_staged = own[0] >= 0;
+        if (head_row_[l] >= 0) {
+          const HeadArgs& hd = heads_[head_row_[l]];
+          const auto t0 = std::chrono::steady_clock::now();
+          const auto made = edge0::prerouter_head(h, indices, previous.narrow(0, head_row_[l], 1),
+                                                  hd.w1, hd.w1_hot, hd.w2, hd.w0, hd.w0_hot, k,
+                                                  hd.isa);
+          head_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now() - t0)
+                         .count();
+          const at::Tensor chosen = made[1].contiguous();
+          handoff_->post(edge0::Handoff::kStage, hd.consumer, was_staged ? 0 : k,
+                         chosen.data_ptr<int64_t>(), k);
+          head_logits.push_back(made[0]), head_chosen.push_back(chosen), head_h.push_back(h);
+        }
+        const int64_t* idx = indices.data_ptr<int64_t>();
+        std::vector<int64_t> slots(k, -1), late;
+        for (int64_t j = 0; j < k; ++j) {
+          for (int64_t i = 0; was_staged && i < k; ++i)
+            if (own[i] == idx[j]) slots[j] = own[k + i];
+          if (slots[j] < 0) late.push_back(idx[j]);
+        }
+        if (!late.empty()) {  // as the executors request them: in routing order
+          if (was_staged) dropped += static_cast<int64_t>(late.size());
+          const auto got = handoff_->ask(edge0::Handoff::kNeed, l, late.data(),
+                                         static_cast<int64_t>(late.size()));
+          TORCH_CHECK(got.size() == late.size(), "layer ", l, ": a slot for every expert read");
+          for (int64_t j = 0, i = 0; j < k; ++j)
+            if (slots[j] < 0) slots[j] = got[i++];
+        }
+        {
+          RECORD_FUNCTION("edge0::wait_reads", std::vector<c10::IValue>());
+          blocked += handoff_->wait_loaded(slots);
+        }
+        std::vector<at::Tensor> w13, p13, w2, p2;
+        for (int64_t s : slots) {
+          TORCH_CHECK(s >= 0 && s < static_cast<int64_t>(slot_w13_.size()), "slot ", s);
+          w13.push_back(slot_w13_[s]), p13.push_back(slot_p13_[s]), w2.push_back(slot_w2_[s]);
+          p2.push_back(slot_p2_[s]);
+        }
+        const at::Tensor routed =
+            edge0::swiglu_experts(h, w13, p13, w2, p2, expert_layout_, expert_isa_).unsqueeze(0);
+        handoff_->post(edge0::Handoff::kRelease, l, 0, nullptr, 0);
+        {
+          RECORD_FUNCTION("edge0::moe_combine", std::vector<c10::IValue>());
+          x = moe_combine(routed, weights, xh[0], std::nullopt, lanes_);
+        }
+        routed_sets.push_back(indices);
+      }
+    } catch (...) {  // the Python side takes every message before the error reaches it
+      try {
+        handoff_->ask(edge0::Handoff::kEnd, -1, nullptr, 0);
+      } catch (...) {
+      }
+      throw;
+    }
+    handoff_->ask(edge0::Handoff::kEnd, -1, nullptr, 0);
+    auto cat = [](const std::vector<at::Tensor>& ts, at::Tensor empty) {
+      return ts.empty() ? empty : at::cat(ts);
+    };
+    std::vector<at::Tensor> out = {
+        x,
+        at::stack(routed_sets),
+        cat(head_logits, at::empty({0, predicted.size(1)}, predicted.options())),
+        cat(head_chosen, at::empty({0, k}, staged.options())),
+        cat(head_h, at::empty({0, x.size(-1)}, x.options())),
+        at::tensor(std::vector<int64_t>{blocked, head_ns, dropped}, staged.options())};
+    if (head_norm_.has_value()) out.push_back(lm_head(x));
     return out;
   }
 
  private:
+  struct HeadArgs {
+    int64_t consumer;
+    at::Tensor w1, w1_hot, w2, w0, w0_hot;
+    int64_t isa;
+  };
+
+  void check_caches(int64_t rows, const std::vector<at::Tensor>& k_caches,
+                    const std::vector<at::Tensor>& v_caches, const std::vector<int64_t>& n) const {
+    const size_t want = layers_.size() * static_cast<size_t>(rows);
+    TORCH_CHECK(k_caches.size() == want && v_caches.size() == want && n.size() == want,
+                "one key buffer, value buffer and position per layer and row, layer after layer");
+  }
+
+  // Layer l's attention half for the rows of x [B, 1, D] (attention_rows), with its B cache
+  // buffers and positions (layer after layer in the step's lists) -> (x', its post norm).
+  std::vector<at::Tensor> attention(int64_t l, const at::Tensor& x, const at::Tensor& cos,
+                                    const at::Tensor& sin, std::vector<at::Tensor>& k_caches,
+                                    std::vector<at::Tensor>& v_caches,
+                                    const std::vector<int64_t>& n) const {
+    RECORD_FUNCTION("edge0::attention_rows", std::vector<c10::IValue>());
+    const LayerArgs& a = layers_[l];
+    const size_t rows = static_cast<size_t>(x.size(0)), from = static_cast<size_t>(l) * rows;
+    return attention_rows(x, a.input_norm, a.input_eps, a.post_norm, a.post_eps, a.q, a.k, a.v,
+                          a.o, a.lora_scale, a.q_norm, a.k_norm, a.eps, cos, sin,
+                          at::TensorList(k_caches.data() + from, rows),
+                          at::TensorList(v_caches.data() + from, rows),
+                          at::IntArrayRef(n.data() + from, rows), a.heads, a.kv_heads,
+                          a.head_dim, a.scale, lanes_, layout_, isa_);
+  }
+
+  // The final norm and the LM head on x [B, 1, D] -> logits [B, 1, V].
+  at::Tensor lm_head(const at::Tensor& x) const {
+    RECORD_FUNCTION("edge0::lm_head", std::vector<c10::IValue>());
+    const at::Tensor h = edge0::rms_norm(x, *head_norm_, head_eps_, lanes_);
+    const std::vector<at::TensorList> head = {head_};
+    return project(h, head, {head_scale_}, layout_, isa_ % edge0::kInt8Flag)[0];
+  }
+
   // Layer l's routed experts for rows h [B, D] and their routing indices [B, K] -> [B, K, D]
   // in h's dtype: each row's K in routing order through swiglu_experts (as the exact path's
   // token() computes them), or, from `rows_from` rows (0: never), each expert once over the
@@ -692,18 +888,35 @@ class TokenDecoder : public torch::CustomClassHolder {
   double head_scale_ = 0.0;
   std::vector<at::Tensor> embedding_;  // codes, scales, biases: set_embedding()
   bool embedding_bf16_ = false;
+  std::vector<at::Tensor> slot_w13_, slot_p13_, slot_w2_, slot_p2_;  // set_slots()
+  c10::intrusive_ptr<edge0::Handoff> handoff_;
+  std::vector<int64_t> consumer_row_, head_row_;  // by layer: its prediction's row, its head's
+  std::vector<HeadArgs> heads_;
 };
 
 }  // namespace
 
 TORCH_LIBRARY(edge0, m) {
+  // before TokenDecoder, whose set_slots takes one
+  m.class_<edge0::Handoff>("Handoff")
+      .def(torch::init<int64_t>())
+      .def("set_slot", &edge0::Handoff::set_slot)
+      .def("slot_state", &edge0::Handoff::slot_state)
+      .def("next", &edge0::Handoff::next)
+      .def("answer", &edge0::Handoff::answer)
+      .def("refuse", &edge0::Handoff::refuse)
+      .def("stop", &edge0::Handoff::stop);
   m.class_<TokenDecoder>("TokenDecoder")
       .def(torch::init<int64_t, std::vector<int64_t>, int64_t, std::vector<int64_t>, int64_t>())
       .def("add_layer", &TokenDecoder::add_layer)
       .def("set_head", &TokenDecoder::set_head)
       .def("set_embedding", &TokenDecoder::set_embedding)
       .def("embed", &TokenDecoder::embed)
-      .def("step", &TokenDecoder::step);
+      .def("step", &TokenDecoder::step)
+      .def("set_slots", &TokenDecoder::set_slots)
+      .def("set_consumers", &TokenDecoder::set_consumers)
+      .def("add_head", &TokenDecoder::add_head)
+      .def("staged_step", &TokenDecoder::staged_step);
   m.def(
       "attention_rows(Tensor x, Tensor input_norm, float input_eps, Tensor post_norm, "
       "float post_eps, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, Tensor[] o_proj, "

@@ -28,6 +28,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "heads.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -377,6 +379,10 @@ void check_half(const at::Tensor& t, int64_t rows, int64_t cols, const char* nam
               name, " must be contiguous fp16 [", rows, ", ", cols, "], got ", t.sizes());
 }
 
+}  // namespace
+
+namespace edge0 {
+
 // h [B, D] (fp32 or bf16), executed [B, K] and previous [B, K'] (int64; negative: none), and
 // the head's fp16 parts: w1 [W, D], w1_hot [2E, W], w2 [E, W], w0 [E, D], w0_hot [2E, E]
 // -> [logits fp32 [B, E]], and with stage > 0 also [chosen int64 [B, stage] ascending, allowed
@@ -428,7 +434,7 @@ std::vector<at::Tensor> prerouter_head(const at::Tensor& h, const at::Tensor& ex
   return {logits, chosen, allowed};
 }
 
-}  // namespace
+}  // namespace edge0
 
 TORCH_LIBRARY_FRAGMENT(edge0, m) {
   m.def(
@@ -436,4 +442,4 @@ TORCH_LIBRARY_FRAGMENT(edge0, m) {
       "Tensor w2, Tensor w0, Tensor w0_hot, int stage, int isa) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(edge0, CPU, m) { m.impl("prerouter_head", &prerouter_head); }
+TORCH_LIBRARY_IMPL(edge0, CPU, m) { m.impl("prerouter_head", &edge0::prerouter_head); }

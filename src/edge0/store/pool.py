@@ -149,6 +149,9 @@ class ExpertPool:
         # beyond a request (engine/backends/native_token.py) takes them again when it moves
         self.changes = 0
         self._lock = threading.Lock()
+        # told each slot's state as it changes, under the lock: 0 its read is on its way, 1
+        # loaded, -1 the read failed (watch(): a staged decode in one native call waits on them)
+        self._on_slot: Callable[[int, int], None] | None = None
         # readers convert what they read with torch ops: one intra-op thread each (threads.py)
         self._io = single_threaded_pool(io_threads, "edge0-io")
         self.stats = PoolStats()
@@ -194,6 +197,25 @@ class ExpertPool:
         with self._lock:
             entry = self._entries.get((layer, expert))
             return entry is not None and entry.future.done() and not entry.failed
+
+    def watch(self, on_slot: Callable[[int, int], None]) -> None:
+        """Call on_slot(slot, state) whenever a slot's state changes from now on (0: an expert's
+        read into it is on its way, 1: loaded, -1: its read failed), after one call for each
+        slot in use now. It runs under the pool's lock, on any thread: it must not call back."""
+        with self._lock:
+            self._on_slot = on_slot
+            for en in self._entries.values():
+                on_slot(en.slot, -1 if en.failed else 1 if en.loaded else 0)
+
+    def slot_tensors(self) -> list[ExpertTensors]:
+        """Every slot's tensor views, by slot (the same objects for the pool's life)."""
+        with self._lock:
+            return [self._slot_tensors(slot) for slot in range(self.num_slots)]
+
+    def count_blocked(self, ns: int) -> None:
+        """Time a caller waited for reads without wait() (a native call's wait)."""
+        with self._lock:
+            self.stats.blocked_ns += ns
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -314,6 +336,8 @@ class ExpertPool:
                 self._entries[key] = found[key] = entry
                 self._pinned += 1
                 missing.append(entry)
+                if self._on_slot is not None:
+                    self._on_slot(slot, 0)
         return [found[k] for k in keys], missing
 
     def _pin_present(self, entry: Entry) -> None:
@@ -357,14 +381,19 @@ class ExpertPool:
                 self.stats.loads += len(run)
                 self.stats.bytes_read += got
                 self.stats.disk_ns += dt
+                for en in run:
+                    en.loaded = True
+                    if self._on_slot is not None:
+                        self._on_slot(en.slot, 1)
             for en in run:
-                en.loaded = True
                 en.future.set_result(None)
         except BaseException as exc:  # handed to whoever waits on these entries
             log.error("reading layer %d experts %s failed: %s", layer, [e.key[1] for e in run], exc)
             with self._lock:
                 for en in run:
                     en.failed = True
+                    if self._on_slot is not None:
+                        self._on_slot(en.slot, -1)
             for en in run:
                 en.future.set_exception(exc)
 

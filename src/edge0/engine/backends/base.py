@@ -128,6 +128,12 @@ class Backend:
         layers one by one."""
         return None
 
+    def staged_decoder(self, model: nn.Module, layers: dict, pool, experts: ExpertOps, runtime):
+        """What decodes one request's prediction-routed token through every layer in one
+        call, its pool's part on a thread of its own (native_staged.py); None: the layers
+        one by one."""
+        return None
+
     def attend_rows(self) -> Callable | None:
         """A batched decode step's attention, row by row in one call (RowsForward)."""
         return None

@@ -18,6 +18,7 @@ from torch import nn
 from edge0 import native
 from edge0.engine.backends.base import Backend, ExpertOps, Group
 from edge0.engine.backends.native_layers import native_layers
+from edge0.engine.backends.native_staged import NativeStaged
 from edge0.engine.backends.native_token import NativeToken
 from edge0.formats.extents import ExpertTensors, ExtentLayout
 from edge0.formats.int4_layout import Int4Layout
@@ -102,6 +103,14 @@ class NativeBackend(Backend):
             return None
         cache = self.options.cache_dir
         return NativeToken(model, layers, pool, experts.layout, experts.isa, cache, ROWS_TOGETHER)
+
+    def staged_decoder(self, model: nn.Module, layers: dict, pool, experts: ExpertOps, runtime):
+        if not isinstance(experts, NativeExperts) or not NativeToken.servable(model, layers):
+            return None
+        if not NativeStaged.serves(runtime):
+            return None
+        cache = self.options.cache_dir
+        return NativeStaged(runtime, model, layers, pool, experts.layout, experts.isa, cache)
 
     def attend_rows(self) -> Callable:
         return native.op("attend_rows", self.options.cache_dir)

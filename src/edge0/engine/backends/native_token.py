@@ -86,14 +86,14 @@ class NativeToken:
         gates = [s.route._router() for s in self.stand_ins]
         top_k = [s.mlp.top_k for s in self.stand_ins]
         lm_head = self._head()
-        key = (self.pool.changes, *map(id, args), *map(id, gates), *top_k, id(lm_head))
+        key = (self._pool_key(), *map(id, args), *map(id, gates), *top_k, id(lm_head))
         if key == self._key:
             return self._decoder
         if None in args or None in gates:
             return None
         if any(a[0] != dtype or g[0][0].dtype != dtype for a, g in zip(args, gates, strict=True)):
             return None
-        views = self.pool.every_expert(len(self.stand_ins), self.num_experts)
+        views = self._views()
         if views is None:
             return None  # not yet every expert loaded: not a key, try again next step
         first = self.stand_ins[0]
@@ -121,8 +121,21 @@ class NativeToken:
         if _native_embedding(embedding):
             bits = (embedding.scales.view(torch.bfloat16), embedding.biases.view(torch.bfloat16))
             decoder.set_embedding(embedding.codes, *bits, embedding.dtype == torch.bfloat16)
+        self._more(decoder)
         self._key, self._decoder = key, decoder
         return decoder
+
+    def _pool_key(self) -> int:
+        """What of the pool the decoder holds: its table of every expert's views, made again
+        when an entry left the pool."""
+        return self.pool.changes
+
+    def _views(self) -> list[list] | None:
+        """Each layer's experts' tensors by index, None until every one is loaded."""
+        return self.pool.every_expert(len(self.stand_ins), self.num_experts)
+
+    def _more(self, decoder) -> None:
+        """What a decoder of another kind of step is given once it is built."""
 
     def _head(self) -> tuple[list[torch.Tensor], float] | None:
         """The LM head's tensors and LoRA scale as the op takes a projection's, again only when
@@ -147,16 +160,28 @@ class NativeToken:
         """A decode step of each request (a batched step where several): the next logits
         [B, V] after each one's token, each row its own step's bits, written into its cache;
         None (nothing done) where the op does not serve this step."""
+        decoder = self.decoder(caches)
+        if decoder is None:
+            return None
+        out = decoder.step(*self.inputs(decoder, caches, tokens), self.rows_from)
+        self.pool.count_hits(out[1].numel())  # as the exact path's lookups count them
+        return self.logits(out, 2)
+
+    def decoder(self, caches: list[KVCache]):
+        """The decoder for a step of these caches, None where it does not serve it."""
         if not all(type(c) is KVCache and not c.quantized and c.k[0].shape[0] == 1 for c in caches):
             return None
+        embedding = self.model.backbone.embedding()
+        native = _native_embedding(embedding)
+        return self._built(embedding.dtype if native else embedding.weight.dtype)
+
+    def inputs(self, decoder, caches: list[KVCache], tokens: list[int]) -> tuple:
+        """A step's first arguments: the tokens' embeddings x [B, 1, D], their rotary rows,
+        every layer's cache buffers and positions (which it then counts as written)."""
         model = self.model
         backbone = model.backbone
         embedding = backbone.embedding()
-        native_embedding = _native_embedding(embedding)
-        decoder = self._built(embedding.dtype if native_embedding else embedding.weight.dtype)
-        if decoder is None:
-            return None
-        if native_embedding:
+        if _native_embedding(embedding):
             rows = [decoder.embed(t) for t in tokens]
             x = rows[0] if len(rows) == 1 else torch.cat(rows)
         else:
@@ -169,14 +194,18 @@ class NativeToken:
         slots = [c.slot(i, 1) for i in layers for c in caches]  # every layer's rows in turn
         n = [c.length[i] for i in layers for c in caches]
         k, v = [s[0] for s in slots], [s[1] for s in slots]
-        out = decoder.step(x, cos, sin, k, v, n, self.rows_from)
         for c in caches:
             for i in layers:
                 c.length[i] += 1
-        self.pool.count_hits(out[1].numel())  # as the exact path's lookups count them
-        if len(out) == 3:  # the op ran the final norm and the LM head
-            return out[2][:, -1]
-        return model.logits(backbone.norm(out[0]))[:, -1]
+        return x, cos, sin, k, v, n
+
+    def logits(self, out: list[torch.Tensor], at: int) -> torch.Tensor:
+        """The next logits [B, V] from a step's results: its own (`out[at]`, where the op ran
+        the final norm and the LM head), else the modules' on its last layer's output."""
+        if len(out) > at:
+            return out[at][:, -1]
+        model = self.model
+        return model.logits(model.backbone.norm(out[0]))[:, -1]
 
 
 def _native_embedding(embedding: nn.Module) -> bool:
