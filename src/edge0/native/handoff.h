@@ -21,6 +21,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -79,7 +80,9 @@ class Handoff : public torch::CustomClassHolder {
         .count();
   }
 
-  // The call's side: a message for the Python thread, not waited on.
+  // The call's side: a message for the Python thread, not waited on. A release does not wake
+  // the thread (each wake takes a core from the call for a while): it is taken with the next
+  // message that does, a head's stage or a layer's need in the next layer, or the token's end.
   void post(int64_t kind, int64_t layer, int64_t reserve, const int64_t* experts, int64_t n) {
     std::vector<int64_t> message = {kind, layer, reserve};
     message.insert(message.end(), experts, experts + n);
@@ -87,7 +90,7 @@ class Handoff : public torch::CustomClassHolder {
       const std::lock_guard<std::mutex> lock(mutex_);
       messages_.push_back(std::move(message));
     }
-    posted_.notify_one();
+    if (kind != kRelease) posted_.notify_one();
   }
 
   // The call's side: a message whose answer it waits for (kNeed: the experts' slots, in their
@@ -104,13 +107,19 @@ class Handoff : public torch::CustomClassHolder {
     return answer;
   }
 
-  // The Python thread's side: the next message (blocks; called without the GIL).
-  std::vector<int64_t> next() {
+  // The Python thread's side: every message posted since it last asked, in order, once one
+  // that wakes it is there (blocks; called without the GIL).
+  std::vector<std::vector<int64_t>> next() {
     std::unique_lock<std::mutex> lock(mutex_);
-    posted_.wait(lock, [&] { return !messages_.empty(); });
-    std::vector<int64_t> message = std::move(messages_.front());
-    messages_.pop_front();
-    return message;
+    posted_.wait(lock, [&] {
+      for (const auto& m : messages_)
+        if (m[0] != kRelease) return true;
+      return false;
+    });
+    std::vector<std::vector<int64_t>> out(std::make_move_iterator(messages_.begin()),
+                                          std::make_move_iterator(messages_.end()));
+    messages_.clear();
+    return out;
   }
 
   // The Python thread's side: the answer to the message the call waits on, or its refusal.

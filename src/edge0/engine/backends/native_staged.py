@@ -166,27 +166,32 @@ class NativeStaged(NativeToken):
         """The thread's loop: each message of the call, in order (see the module docstring)."""
         handoff = self.handoff
         while True:
-            message = handoff.next()
-            kind, layer, reserve, experts = message[0], message[1], message[2], message[3:]
-            if kind == STOP:
-                return
-            try:
-                if kind == STAGE:
-                    state = self._state
-                    state._stage(layer, experts, state._next_staged, reserve)
-                elif kind == NEED:
-                    entries = self.pool.request(layer, experts)
-                    self._held.setdefault(layer, []).extend(entries)
-                    handoff.answer([en.slot for en in entries])
-                elif kind == RELEASE:
-                    self.pool.release(self._held.pop(layer, []))
-                else:
-                    handoff.answer([])
-            except BaseException as e:  # raised to step()'s caller when the call returns
-                if self._error is None:
-                    self._error = e
-                if kind in (NEED, END):
-                    handoff.refuse(f"{type(e).__name__}: {e}")
+            for message in handoff.next():
+                if message[0] == STOP:
+                    return
+                self._take(*message[:3], message[3:])
+
+    def _take(self, kind: int, layer: int, reserve: int, experts: list[int]) -> None:
+        """One message of the call (see the module docstring); an error is kept for step()
+        and, where the call waits for an answer, refused with."""
+        handoff = self.handoff
+        try:
+            if kind == STAGE:
+                state = self._state
+                state._stage(layer, experts, state._next_staged, reserve)
+            elif kind == NEED:
+                entries = self.pool.request(layer, experts)
+                self._held.setdefault(layer, []).extend(entries)
+                handoff.answer([en.slot for en in entries])
+            elif kind == RELEASE:
+                self.pool.release(self._held.pop(layer, []))
+            else:
+                handoff.answer([])
+        except BaseException as e:  # raised to step()'s caller when the call returns
+            if self._error is None:
+                self._error = e
+            if kind in (NEED, END):
+                handoff.refuse(f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
         """Ends the thread (the engine's close)."""
