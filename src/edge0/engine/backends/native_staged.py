@@ -30,6 +30,7 @@ Shape legend: L decoder layers, C consumers, H heads, K active, E experts, D hid
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -46,9 +47,12 @@ STAGE, NEED, RELEASE, END, STOP = range(5)
 class NativeStaged(NativeToken):
     """A staged decode token of one request in one call (see the module docstring)."""
 
-    def __init__(self, runtime: PrerouterRuntime, model, layers, pool, layout, isa, cache_dir=None):
+    def __init__(
+        self, runtime: PrerouterRuntime | None, model, layers, pool, layout, isa, cache_dir=None
+    ):
         super().__init__(model, layers, pool, layout, isa, cache_dir)
-        self.rt = runtime
+        self.rt = runtime  # None: no prerouter, every layer routes by its router (on-demand)
+        self.top_k = runtime.stage_width if runtime is not None else self.stand_ins[0].mlp.top_k
         self.handoff = native.handoff(cache_dir)(pool.num_slots)
         self.pool.watch(self.handoff.set_slot)
         self._slot_views = None
@@ -57,15 +61,23 @@ class NativeStaged(NativeToken):
         self._state: PrerouterState | None = None
         self._held: dict[int, list[Entry]] = {}
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, name="edge0-stager", daemon=True)
+        # the thread holds the handoff and a weak reference: an engine dropped without close()
+        # is still collected, and its collection stops the thread
+        self._thread = threading.Thread(
+            target=_serve, args=(self.handoff, weakref.ref(self)), name="edge0-stager", daemon=True
+        )
         self._thread.start()
+        weakref.finalize(self, self.handoff.stop)
 
     @staticmethod
-    def serves(runtime: PrerouterRuntime) -> bool:
+    def serves(model, runtime: PrerouterRuntime | None) -> bool:
         """Whether the call runs this prerouter as the per-layer path does: its heads the
         native op's, inline (no heads thread), each owner staging its one consumer (a softmax
-        router's: op_stages) with W = K, every consumer after its owner."""
+        router's: op_stages) with W = K, every consumer after its owner; without one, where
+        every layer routes K experts."""
         rt = runtime
+        if rt is None:
+            return len({model.moe_block(i).top_k for i in model.moe_layers}) == 1
         return (
             rt.native is not None
             and rt.worker is None
@@ -88,18 +100,24 @@ class NativeStaged(NativeToken):
         fields = ([getattr(t, f) for t in views] for f in ("w13", "p13", "w2", "p2"))
         decoder.set_slots(*fields, self.handoff)
         rt = self.rt
+        if rt is None:
+            return
         decoder.set_consumers(rt.consumers)
         for o in rt.owners:
             (c,) = rt.consumers_of[o]
             decoder.add_head(o, c, *rt.native.parts[o], rt.native.isa)
 
-    def step(self, cache: KVCache, token: int, state: PrerouterState) -> torch.Tensor | None:
+    def step(self, cache: KVCache, token: int, state: PrerouterState | None) -> torch.Tensor | None:
         """The next logits [1, V] after `token`, written into `cache`, the next token's
         predictions made and their reads started (the state flushed, as decode.step does);
-        None (nothing done) where the call does not serve this step."""
-        rt, top_k = self.rt, self.rt.stage_width
-        if len(state.predicted) != len(rt.consumers) or any(
-            len(entries) != top_k for entries in state.staged.values()
+        None (nothing done) where the call does not serve this step. Without a prerouter
+        (`state` None) every layer reads its misses as it routes, as the exact path does."""
+        rt, top_k = self.rt, self.top_k
+        if (state is None) != (rt is None):
+            return None
+        if state is not None and (
+            len(state.predicted) != len(rt.consumers)
+            or any(len(entries) != top_k for entries in state.staged.values())
         ):
             return None  # (its predictions are made at the prompt's end, a full set each)
         decoder = self.decoder([cache])
@@ -107,13 +125,17 @@ class NativeStaged(NativeToken):
             return None
         layers = len(self.stand_ins)
         staged = [[-1] * (2 * top_k)] * layers
-        for c, entries in state.staged.items():
-            staged[c] = [en.key[1] for en in entries] + [en.slot for en in entries]
         none = torch.full((1, top_k), -1, dtype=torch.long)
-        previous = torch.cat([state._executed.get(o, none) for o in rt.owners])
-        predicted = torch.cat([state.predicted[c] for c in rt.consumers])
-        # the staged entries are the call's now: the thread unpins each after its layer
-        self._held, state.staged = dict(state.staged), {}
+        if state is None:
+            previous = torch.empty((0, top_k), dtype=torch.long)
+            predicted = torch.empty((0, self.num_experts))
+        else:
+            for c, entries in state.staged.items():
+                staged[c] = [en.key[1] for en in entries] + [en.slot for en in entries]
+            previous = torch.cat([state._executed.get(o, none) for o in rt.owners])
+            predicted = torch.cat([state.predicted[c] for c in rt.consumers])
+            # the staged entries are the call's now: the thread unpins each after its layer
+            self._held, state.staged = dict(state.staged), {}
         self._state, self._error = state, None
         inputs = self.inputs(decoder, [cache], [token])
         staged_t = torch.tensor(staged, dtype=torch.long).view(layers, 2, top_k)
@@ -128,7 +150,10 @@ class NativeStaged(NativeToken):
             self._held, self._state = {}, None
         if self._error is not None:
             raise self._error
-        self._after(state, out)
+        if state is None:
+            self.pool.count_blocked(int(out[5][0]))
+        else:
+            self._after(state, out)
         return self.logits(out, 6)
 
     def _after(self, state: PrerouterState, out: list[torch.Tensor]) -> None:
@@ -162,15 +187,6 @@ class NativeStaged(NativeToken):
         if failed:
             self.pool.wait(failed)  # raises the read's own error
 
-    def _serve(self) -> None:
-        """The thread's loop: each message of the call, in order (see the module docstring)."""
-        handoff = self.handoff
-        while True:
-            for message in handoff.next():
-                if message[0] == STOP:
-                    return
-                self._take(*message[:3], message[3:])
-
     def _take(self, kind: int, layer: int, reserve: int, experts: list[int]) -> None:
         """One message of the call (see the module docstring); an error is kept for step()
         and, where the call waits for an answer, refused with."""
@@ -198,3 +214,15 @@ class NativeStaged(NativeToken):
         if self._thread.is_alive():
             self.handoff.stop()
             self._thread.join()
+
+
+def _serve(handoff, staged: weakref.ref) -> None:
+    """The pool's thread: each message of the call, in order (see the module docstring), until
+    told to stop."""
+    while True:
+        for message in handoff.next():
+            owner = staged()
+            if message[0] == STOP or owner is None:
+                return
+            owner._take(*message[:3], message[3:])
+            del owner
