@@ -52,7 +52,6 @@ class NativeStaged(NativeToken):
     ):
         super().__init__(model, layers, pool, layout, isa, cache_dir)
         self.rt = runtime  # None: no prerouter, every layer routes by its router (on-demand)
-        self.top_k = runtime.stage_width if runtime is not None else self.stand_ins[0].mlp.top_k
         self.handoff = native.handoff(cache_dir)(pool.num_slots)
         self.pool.watch(self.handoff.set_slot)
         self._slot_views = None
@@ -112,7 +111,8 @@ class NativeStaged(NativeToken):
         predictions made and their reads started (the state flushed, as decode.step does);
         None (nothing done) where the call does not serve this step. Without a prerouter
         (`state` None) every layer reads its misses as it routes, as the exact path does."""
-        rt, top_k = self.rt, self.top_k
+        rt = self.rt
+        top_k = rt.stage_width if rt is not None else self.stand_ins[0].mlp.top_k
         if (state is None) != (rt is None):
             return None
         if state is not None and (
