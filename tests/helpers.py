@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from edge0.models.base import Forward
@@ -200,3 +201,12 @@ def rows_logits(
     finally:
         for r in reqs:
             r.release()
+
+
+# The native decode's activations, each against its reference: fp32 and bf16 with bf16
+# activations (torch's int4 kernel's bits), fp32 with int8 activation codes
+EVERY_ACTIVATION = pytest.mark.parametrize(
+    "dtype, acts",
+    [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.float32, "int8")],
+    ids=["fp32", "bf16", "int8"],
+)

@@ -16,7 +16,7 @@ from edge0.engine.options import EngineOptions
 from edge0.engine.sampling import SamplingParams
 from edge0.modeldir.loader import load_edge0_model
 from edge0.prerouter.head import Prerouter, Wiring
-from helpers import DelayedReads
+from helpers import EVERY_ACTIVATION, DelayedReads
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
@@ -88,11 +88,7 @@ def greedy(engine, one_call: bool, steps: int = 12):
 
 
 @pytest.mark.parametrize("capped", [False, True], ids=["resident", "capped"])
-@pytest.mark.parametrize(
-    "dtype, acts",
-    [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.float32, "int8")],
-    ids=["fp32", "bf16", "int8"],
-)
+@EVERY_ACTIVATION
 def test_a_staged_token_in_one_call_is_the_native_layers_bit_for_bit(
     staged_model, dtype, acts, capped
 ):
@@ -129,11 +125,7 @@ def test_a_staged_token_in_one_call_is_the_native_layers_bit_for_bit(
     assert not engine_threads_left()
 
 
-@pytest.mark.parametrize(
-    "dtype, acts",
-    [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.float32, "int8")],
-    ids=["fp32", "bf16", "int8"],
-)
+@EVERY_ACTIVATION
 def test_an_exact_token_under_a_cap_in_one_call_is_the_native_layers_bit_for_bit(
     staged_model, dtype, acts
 ):

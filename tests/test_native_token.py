@@ -11,7 +11,7 @@ from edge0 import builtin
 from edge0.engine.load import load_engine
 from edge0.engine.options import EngineOptions
 from edge0.models import lora
-from helpers import rows_logits
+from helpers import EVERY_ACTIVATION, rows_logits
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
@@ -33,11 +33,7 @@ def greedy(engine, one_call: bool, steps: int = 10, prompt: str = "def f(x):"):
         engine.token = token
 
 
-@pytest.mark.parametrize(
-    "dtype, acts",
-    [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.float32, "int8")],
-    ids=["fp32", "bf16", "int8"],
-)
+@EVERY_ACTIVATION
 def test_one_call_a_token_is_the_native_layers_bit_for_bit(int4_model, dtype, acts):
     """The final norm and the (untied, int4) LM head run in the call too: the same logits."""
     opts = EngineOptions(io_mode="buffered", backend="native", dtype=dtype, int4_activations=acts)
@@ -106,11 +102,7 @@ def batched(engine, requests: int, alone: bool = False) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("requests", [3, 5], ids=["row-by-row", "experts-over-rows"])
-@pytest.mark.parametrize(
-    "dtype, acts",
-    [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.float32, "int8")],
-    ids=["fp32", "bf16", "int8"],
-)
+@EVERY_ACTIVATION
 def test_a_batched_step_in_one_call_is_each_rows_own_step_bit_for_bit(
     int4_model, requests, dtype, acts
 ):

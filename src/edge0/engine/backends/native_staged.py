@@ -35,7 +35,7 @@ import weakref
 import torch
 
 from edge0 import native
-from edge0.engine.backends.native_token import NativeToken
+from edge0.engine.backends.native_token import NativeToken, written
 from edge0.models.layers import KVCache
 from edge0.prerouter.runtime import PrerouterRuntime, PrerouterState
 from edge0.store.pool import Entry
@@ -148,6 +148,7 @@ class NativeStaged(NativeToken):
             for entries in self._held.values():  # none after a whole token
                 self.pool.release(entries)
             self._held, self._state = {}, None
+        written([cache], layers)
         if self._error is not None:
             raise self._error
         if state is None:

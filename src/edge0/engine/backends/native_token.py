@@ -164,6 +164,7 @@ class NativeToken:
         if decoder is None:
             return None
         out = decoder.step(*self.inputs(decoder, caches, tokens), self.rows_from)
+        written(caches, len(self.stand_ins))
         self.pool.count_hits(out[1].numel())  # as the exact path's lookups count them
         return self.logits(out, 2)
 
@@ -177,7 +178,7 @@ class NativeToken:
 
     def inputs(self, decoder, caches: list[KVCache], tokens: list[int]) -> tuple:
         """A step's first arguments: the tokens' embeddings x [B, 1, D], their rotary rows,
-        every layer's cache buffers and positions (which it then counts as written)."""
+        every layer's cache buffers and positions (`written` counts them after the call)."""
         model = self.model
         backbone = model.backbone
         embedding = backbone.embedding()
@@ -194,9 +195,6 @@ class NativeToken:
         slots = [c.slot(i, 1) for i in layers for c in caches]  # every layer's rows in turn
         n = [c.length[i] for i in layers for c in caches]
         k, v = [s[0] for s in slots], [s[1] for s in slots]
-        for c in caches:
-            for i in layers:
-                c.length[i] += 1
         return x, cos, sin, k, v, n
 
     def logits(self, out: list[torch.Tensor], at: int) -> torch.Tensor:
@@ -206,6 +204,13 @@ class NativeToken:
             return out[at][:, -1]
         model = self.model
         return model.logits(model.backbone.norm(out[0]))[:, -1]
+
+
+def written(caches: list[KVCache], layers: int) -> None:
+    """After a step's call: each cache's position of every layer counted as written."""
+    for c in caches:
+        for i in range(layers):
+            c.length[i] += 1
 
 
 def _native_embedding(embedding: nn.Module) -> bool:
