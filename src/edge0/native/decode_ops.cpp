@@ -666,8 +666,9 @@ class TokenDecoder : public torch::CustomClassHolder {
   //   consumer_row_), any other layer by router_topk of its own router;
   // - an owner's head runs on the layer's MoE input with the experts it routed to and those it
   //   ran a step before (`previous` [H, K'], by head), and its consumer's top-K for the next
-  //   token goes to the Python side to read (kStage, with the K slots it keeps for its own
-  //   reads where its own experts were not staged), while the layers after it compute;
+  //   token goes to the Python side to request (kStage, with the K slots it keeps for its own
+  //   reads where its own experts were not staged; the call goes on once the reads are
+  //   started), so that they land while the layers after it compute;
   // - the layer's experts come from the slots staged for it (`staged` [L, 2, K]: its experts,
   //   ascending, then their slots; -1: not staged), or, where a routed expert was not staged,
   //   from slots the Python side pins and reads now (kNeed); the call waits for their reads
@@ -731,8 +732,8 @@ class TokenDecoder : public torch::CustomClassHolder {
                          std::chrono::steady_clock::now() - t0)
                          .count();
           const at::Tensor chosen = made[1].contiguous();
-          handoff_->post(edge0::Handoff::kStage, hd.consumer, was_staged ? 0 : k,
-                         chosen.data_ptr<int64_t>(), k);
+          handoff_->ask(edge0::Handoff::kStage, hd.consumer, was_staged ? 0 : k,
+                        chosen.data_ptr<int64_t>(), k);
           head_logits.push_back(made[0]), head_chosen.push_back(chosen), head_h.push_back(h);
         }
         const int64_t* idx = indices.data_ptr<int64_t>();
@@ -744,7 +745,7 @@ class TokenDecoder : public torch::CustomClassHolder {
         }
         if (!late.empty()) {  // as the executors request them: in routing order
           if (was_staged) dropped += static_cast<int64_t>(late.size());
-          const auto got = handoff_->ask(edge0::Handoff::kNeed, l, late.data(),
+          const auto got = handoff_->ask(edge0::Handoff::kNeed, l, 0, late.data(),
                                          static_cast<int64_t>(late.size()));
           TORCH_CHECK(got.size() == late.size(), "layer ", l, ": a slot for every expert read");
           for (int64_t j = 0, i = 0; j < k; ++j)
@@ -771,12 +772,12 @@ class TokenDecoder : public torch::CustomClassHolder {
       }
     } catch (...) {  // the Python side takes every message before the error reaches it
       try {
-        handoff_->ask(edge0::Handoff::kEnd, -1, nullptr, 0);
+        handoff_->ask(edge0::Handoff::kEnd, -1, 0, nullptr, 0);
       } catch (...) {
       }
       throw;
     }
-    handoff_->ask(edge0::Handoff::kEnd, -1, nullptr, 0);
+    handoff_->ask(edge0::Handoff::kEnd, -1, 0, nullptr, 0);
     auto cat = [](const std::vector<at::Tensor>& ts, at::Tensor empty) {
       return ts.empty() ? empty : at::cat(ts);
     };

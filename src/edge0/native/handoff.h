@@ -10,7 +10,9 @@
 //   experts for the next token (kStage), pin and read the experts a layer routed to now and
 //   answer with their slots (kNeed), unpin a layer's experts after it ran (kRelease), and say
 //   when it has done every one of a token's (kEnd). The thread takes them in order, so the
-//   pool sees the per-layer path's sequence of requests and releases.
+//   pool sees the per-layer path's sequence of requests and releases. The call waits for
+//   every one but a release: a stage not waited for started its reads later, when the thread
+//   next got a core from the two that compute (docs/kernels.md).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -94,9 +96,11 @@ class Handoff : public torch::CustomClassHolder {
   }
 
   // The call's side: a message whose answer it waits for (kNeed: the experts' slots, in their
-  // order; kEnd: none). Raises with the Python side's reason where it refused.
-  std::vector<int64_t> ask(int64_t kind, int64_t layer, const int64_t* experts, int64_t n) {
-    post(kind, layer, 0, experts, n);
+  // order; kStage and kEnd: none, once done). Raises with the Python side's reason where it
+  // refused.
+  std::vector<int64_t> ask(int64_t kind, int64_t layer, int64_t reserve, const int64_t* experts,
+                           int64_t n) {
+    post(kind, layer, reserve, experts, n);
     std::unique_lock<std::mutex> lock(mutex_);
     answered_.wait(lock, [&] { return answer_.has_value(); });
     std::vector<int64_t> answer = std::move(*answer_);

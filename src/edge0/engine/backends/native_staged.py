@@ -13,9 +13,10 @@ the pool's part to a thread of this class over `edge0.Handoff` (native/handoff.h
 - the pool tells the handoff each slot's state (ExpertPool.watch), so the call waits on a
   slot's read without Python;
 - the call posts a head's chosen experts (stage), the experts a layer must read now (need:
-  it waits for their slots), a layer done (release), and the token's end; this thread does what
+  their slots come back), a layer done (release), and the token's end; this thread does what
   the per-layer path does at those points (PrerouterState._stage, ExpertPool.request and
-  release), in the same order, and answers.
+  release), in the same order, and answers each but a release, which the call does not wait
+  for.
 
 So the routing, the experts, the staged sets and the bits are the per-layer path's; what goes is
 the Python between the layers. The heads run inline in the call, as on a machine whose
@@ -196,6 +197,7 @@ class NativeStaged(NativeToken):
             if kind == STAGE:
                 state = self._state
                 state._stage(layer, experts, state._next_staged, reserve)
+                handoff.answer([])
             elif kind == NEED:
                 entries = self.pool.request(layer, experts)
                 self._held.setdefault(layer, []).extend(entries)
@@ -207,7 +209,7 @@ class NativeStaged(NativeToken):
         except BaseException as e:  # raised to step()'s caller when the call returns
             if self._error is None:
                 self._error = e
-            if kind in (NEED, END):
+            if kind != RELEASE:
                 handoff.refuse(f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
