@@ -125,30 +125,6 @@ def test_a_staged_token_in_one_call_is_the_native_layers_bit_for_bit(
     assert not engine_threads_left()
 
 
-@EVERY_ACTIVATION
-def test_an_exact_token_under_a_cap_in_one_call_is_the_native_layers_bit_for_bit(
-    staged_model, dtype, acts
-):
-    """No prerouter (the on-demand path): every layer routes by its router and the call asks
-    the pool's thread for its experts as it routes, layer after layer."""
-    room = (LAYERS + 1) * TOP_K * extent_bytes(staged_model)
-    opts = EngineOptions(
-        io_mode="buffered", dtype=dtype, int4_activations=acts, expert_cache=room, no_prerouter=True
-    )
-    engine = load_engine(staged_model, opts)
-    try:
-        assert engine.prerouter is None and engine.token is None and engine.staged is not None
-        one, _, pool_one, heads_one = greedy(engine, True)
-        layers, _, pool_layers, heads_layers = greedy(engine, False)
-        assert heads_one == 1 and heads_layers == 1 + 12
-        assert torch.equal(one, layers)
-        assert pool_one.loads > 0 and pool_layers.loads > 0
-        assert pool_one.hits + pool_one.loads == pool_layers.hits + pool_layers.loads
-        assert pool_one.hits + pool_one.loads == 12 * LAYERS * TOP_K
-    finally:
-        engine.close()
-
-
 def engine_threads_left() -> list[str]:
     import threading
 
@@ -190,16 +166,13 @@ class FailingReads:
         return getattr(self.file, name)
 
 
-@pytest.mark.parametrize(
-    "layer, prerouter", [(0, True), (2, True), (2, False)], ids=["read-now", "staged", "exact"]
-)
-def test_a_failed_read_fails_the_step_with_the_readers_error(staged_model, layer, prerouter):
+@pytest.mark.parametrize("layer", [0, 2], ids=["read-now", "staged"])
+def test_a_failed_read_fails_the_step_with_the_readers_error(staged_model, layer):
     """Layer 0 routes by its router and reads now; layer 2 is a consumer whose reads were
-    staged a token ahead (or, without the prerouter, reads now too). Either way the step
-    raises the reader's own error (not the call's), nothing stays pinned once the request
-    ends, and the pool's thread serves on."""
+    staged a token ahead. Either way the step raises the reader's own error (not the call's),
+    nothing stays pinned once the request ends, and the pool's thread serves on."""
     room = (LAYERS + 1) * TOP_K * extent_bytes(staged_model)
-    opts = EngineOptions(io_mode="buffered", expert_cache=room, no_prerouter=not prerouter)
+    opts = EngineOptions(io_mode="buffered", expert_cache=room)
     engine = load_engine(staged_model, opts)
     failing = engine.pool.file = FailingReads(engine.pool.file, layer)
     try:

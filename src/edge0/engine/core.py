@@ -92,10 +92,10 @@ class Engine:
         self.token = None
         if prerouter is None and plan.holds_every_expert:
             self.token = backend.token_decoder(model, self.layers, pool, self.experts)
-        # a request's staged token, or its exact token under a cap, through every layer in
-        # one call, the pool's part on a thread (native_staged.py)
+        # a request's staged token through every layer in one call, the pool's part on a
+        # thread (native_staged.py)
         self.staged = None
-        if prerouter is not None or not plan.holds_every_expert:
+        if prerouter is not None:
             self.staged = backend.staged_decoder(model, self.layers, pool, self.experts, prerouter)
         bound = plan.floor.prefix_cache
         self.prefix_cache = PrefixCache(bound) if bound else None
@@ -267,7 +267,7 @@ class Engine:
         logits = None
         if self.token is not None and req.decode is self._exact:
             logits = self.token(req.cache, token)  # None: not a step it serves
-        elif self.staged is not None and (req.pre is not None or req.decode is self._exact):
+        elif self.staged is not None and req.pre is not None:
             logits = self.staged.step(req.cache, token, req.pre)  # None: not served
         if logits is None:
             x = torch.tensor([[token]], dtype=torch.long)

@@ -107,7 +107,7 @@ class NativeBackend(Backend):
     def staged_decoder(self, model: nn.Module, layers: dict, pool, experts: ExpertOps, runtime):
         if not isinstance(experts, NativeExperts) or not NativeToken.servable(model, layers):
             return None
-        if not NativeStaged.serves(model, runtime):
+        if not NativeStaged.serves(runtime):
             return None
         cache = self.options.cache_dir
         return NativeStaged(runtime, model, layers, pool, experts.layout, experts.isa, cache)

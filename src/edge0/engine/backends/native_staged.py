@@ -48,11 +48,9 @@ STAGE, NEED, RELEASE, END, STOP = range(5)
 class NativeStaged(NativeToken):
     """A staged decode token of one request in one call (see the module docstring)."""
 
-    def __init__(
-        self, runtime: PrerouterRuntime | None, model, layers, pool, layout, isa, cache_dir=None
-    ):
+    def __init__(self, runtime: PrerouterRuntime, model, layers, pool, layout, isa, cache_dir=None):
         super().__init__(model, layers, pool, layout, isa, cache_dir)
-        self.rt = runtime  # None: no prerouter, every layer routes by its router (on-demand)
+        self.rt = runtime
         self.handoff = native.handoff(cache_dir)(pool.num_slots)
         self.pool.watch(self.handoff.set_slot)
         self._slot_views = None
@@ -70,14 +68,11 @@ class NativeStaged(NativeToken):
         weakref.finalize(self, self.handoff.stop)
 
     @staticmethod
-    def serves(model, runtime: PrerouterRuntime | None) -> bool:
+    def serves(runtime: PrerouterRuntime) -> bool:
         """Whether the call runs this prerouter as the per-layer path does: its heads the
         native op's, inline (no heads thread), each owner staging its one consumer (a softmax
-        router's: op_stages) with W = K, every consumer after its owner; without one, where
-        every layer routes K experts."""
+        router's: op_stages) with W = K, every consumer after its owner."""
         rt = runtime
-        if rt is None:
-            return len({model.moe_block(i).top_k for i in model.moe_layers}) == 1
         return (
             rt.native is not None
             and rt.worker is None
@@ -100,25 +95,18 @@ class NativeStaged(NativeToken):
         fields = ([getattr(t, f) for t in views] for f in ("w13", "p13", "w2", "p2"))
         decoder.set_slots(*fields, self.handoff)
         rt = self.rt
-        if rt is None:
-            return
         decoder.set_consumers(rt.consumers)
         for o in rt.owners:
             (c,) = rt.consumers_of[o]
             decoder.add_head(o, c, *rt.native.parts[o], rt.native.isa)
 
-    def step(self, cache: KVCache, token: int, state: PrerouterState | None) -> torch.Tensor | None:
+    def step(self, cache: KVCache, token: int, state: PrerouterState) -> torch.Tensor | None:
         """The next logits [1, V] after `token`, written into `cache`, the next token's
         predictions made and their reads started (the state flushed, as decode.step does);
-        None (nothing done) where the call does not serve this step. Without a prerouter
-        (`state` None) every layer reads its misses as it routes, as the exact path does."""
-        rt = self.rt
-        top_k = rt.stage_width if rt is not None else self.stand_ins[0].mlp.top_k
-        if (state is None) != (rt is None):
-            return None
-        if state is not None and (
-            len(state.predicted) != len(rt.consumers)
-            or any(len(entries) != top_k for entries in state.staged.values())
+        None (nothing done) where the call does not serve this step."""
+        rt, top_k = self.rt, self.rt.stage_width
+        if len(state.predicted) != len(rt.consumers) or any(
+            len(entries) != top_k for entries in state.staged.values()
         ):
             return None  # (its predictions are made at the prompt's end, a full set each)
         decoder = self.decoder([cache])
@@ -126,17 +114,13 @@ class NativeStaged(NativeToken):
             return None
         layers = len(self.stand_ins)
         staged = [[-1] * (2 * top_k)] * layers
+        for c, entries in state.staged.items():
+            staged[c] = [en.key[1] for en in entries] + [en.slot for en in entries]
         none = torch.full((1, top_k), -1, dtype=torch.long)
-        if state is None:
-            previous = torch.empty((0, top_k), dtype=torch.long)
-            predicted = torch.empty((0, self.num_experts))
-        else:
-            for c, entries in state.staged.items():
-                staged[c] = [en.key[1] for en in entries] + [en.slot for en in entries]
-            previous = torch.cat([state._executed.get(o, none) for o in rt.owners])
-            predicted = torch.cat([state.predicted[c] for c in rt.consumers])
-            # the staged entries are the call's now: the thread unpins each after its layer
-            self._held, state.staged = dict(state.staged), {}
+        previous = torch.cat([state._executed.get(o, none) for o in rt.owners])
+        predicted = torch.cat([state.predicted[c] for c in rt.consumers])
+        # the staged entries are the call's now: the thread unpins each after its layer
+        self._held, state.staged = dict(state.staged), {}
         self._state, self._error = state, None
         inputs = self.inputs(decoder, [cache], [token])
         staged_t = torch.tensor(staged, dtype=torch.long).view(layers, 2, top_k)
@@ -152,10 +136,7 @@ class NativeStaged(NativeToken):
         written([cache], layers)
         if self._error is not None:
             raise self._error
-        if state is None:
-            self.pool.count_blocked(int(out[5][0]))
-        else:
-            self._after(state, out)
+        self._after(state, out)
         return self.logits(out, 6)
 
     def _after(self, state: PrerouterState, out: list[torch.Tensor]) -> None:
