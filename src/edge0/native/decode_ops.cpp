@@ -29,6 +29,7 @@
 #include "int4_gemv.h"
 #include "norms.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -514,6 +515,7 @@ class TokenDecoder : public torch::CustomClassHolder {
                        std::move(lora_scale), std::move(q_norm), std::move(k_norm), eps, heads,
                        kv_heads, head_dim, scale, std::move(gate), gate_scale, top_k, norm_topk,
                        std::move(w13), std::move(p13), std::move(w2), std::move(p2)});
+    consumer_row_.push_back(-1), head_row_.push_back(-1);  // set_consumers(), add_head()
   }
 
   // The final norm and the LM head (blocks.py CausalLM: logits(backbone.norm(x))), for step()
@@ -640,7 +642,7 @@ class TokenDecoder : public torch::CustomClassHolder {
   // prediction (`consumers`, ascending: row i of the step's `predicted` is consumers[i]'s), and
   // each owner's head (native/heads.cpp's fp16 parts) with the consumer it stages for.
   void set_consumers(std::vector<int64_t> consumers) {
-    consumer_row_.assign(layers_.size(), -1);
+    std::fill(consumer_row_.begin(), consumer_row_.end(), -1);
     for (size_t i = 0; i < consumers.size(); ++i) {
       TORCH_CHECK(consumers[i] >= 0 && consumers[i] < static_cast<int64_t>(layers_.size()),
                   "consumer ", consumers[i], " is not a layer");
@@ -653,7 +655,6 @@ class TokenDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(owner >= 0 && owner < static_cast<int64_t>(layers_.size()) && consumer > owner &&
                     consumer < static_cast<int64_t>(layers_.size()),
                 "head of layer ", owner, " for layer ", consumer);
-    head_row_.resize(layers_.size(), -1);
     TORCH_CHECK(head_row_[owner] < 0, "layer ", owner, " has a head already");
     head_row_[owner] = static_cast<int64_t>(heads_.size());
     heads_.push_back({consumer, std::move(w1), std::move(w1_hot), std::move(w2), std::move(w0),
@@ -684,11 +685,10 @@ class TokenDecoder : public torch::CustomClassHolder {
                                       const at::Tensor& previous) {
     RECORD_FUNCTION("edge0::decode_staged", std::vector<c10::IValue>());
     TORCH_CHECK(handoff_, "set_slots first: the staged step takes its experts from the slots");
+    TORCH_CHECK(!heads_.empty(), "add_head first: a staged step runs the prerouter's heads");
     TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "x must be [1, 1, D]");
     check_caches(1, k_caches, v_caches, n);
     const int64_t layers = static_cast<int64_t>(layers_.size());
-    consumer_row_.resize(layers, -1);
-    head_row_.resize(layers, -1);
     const int64_t k = layers_[0].top_k;
     for (const LayerArgs& a : layers_) TORCH_CHECK(a.top_k == k, "one top_k for every layer");
     TORCH_CHECK(predicted.scalar_type() == at::kFloat && predicted.dim() == 2,
@@ -778,15 +778,12 @@ class TokenDecoder : public torch::CustomClassHolder {
       throw;
     }
     handoff_->ask(edge0::Handoff::kEnd, -1, 0, nullptr, 0);
-    auto cat = [](const std::vector<at::Tensor>& ts, at::Tensor empty) {
-      return ts.empty() ? empty : at::cat(ts);
-    };
     std::vector<at::Tensor> out = {
         x,
         at::stack(routed_sets),
-        cat(head_logits, at::empty({0, predicted.size(1)}, predicted.options())),
-        cat(head_chosen, at::empty({0, k}, staged.options())),
-        cat(head_h, at::empty({0, x.size(-1)}, x.options())),
+        at::cat(head_logits),
+        at::cat(head_chosen),
+        at::cat(head_h),
         at::tensor(std::vector<int64_t>{blocked, head_ns, dropped}, staged.options())};
     if (head_norm_.has_value()) out.push_back(lm_head(x));
     return out;
@@ -902,7 +899,6 @@ TORCH_LIBRARY(edge0, m) {
   m.class_<edge0::Handoff>("Handoff")
       .def(torch::init<int64_t>())
       .def("set_slot", &edge0::Handoff::set_slot)
-      .def("slot_state", &edge0::Handoff::slot_state)
       .def("next", &edge0::Handoff::next)
       .def("answer", &edge0::Handoff::answer)
       .def("refuse", &edge0::Handoff::refuse)

@@ -150,11 +150,7 @@ class NativeStaged(NativeToken):
             (c,) = rt.consumers_of[o]
             state._next_predicted[c] = logits[i : i + 1]
             state._next_chosen[c] = picks
-            if o in state._executed:
-                state._previous[o] = state._executed[o]
-            else:
-                state._previous[o] = torch.full_like(routed[o], -1)
-            state._executed[o], state._h[o] = routed[o], hs[i : i + 1]
+            state._keep(o, hs[i : i + 1], routed[o])  # the owner's features, as observe keeps them
         self.pool.count_blocked(blocked)
         rt.stats.head_ns += head_ns
         rt.stats.dropped += dropped
