@@ -267,6 +267,17 @@ class KVCache:
         self._check(layer, t)
         return self.k[layer], self.v[layer]
 
+    def state_slot(self, layer: int, t: int) -> tuple[torch.Tensor, ...]:
+        """A recurrent layer's state buffers, for a caller that advances them by t tokens in
+        place and then the length (the native delta-rule op); zeros before the layer's first
+        token (what state() stands for then), ContextOverflow if t more do not fit."""
+        self._check(layer, t)
+        buffers = self._state[layer]
+        if not self.length[layer]:
+            for buf in buffers:
+                buf.zero_()
+        return buffers
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn):
         """Append k, v [B, G, T, *] and return fn(q, all cached keys, all cached values): the
         attention of a mixer over what this cache holds (see RowCaches)."""

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -338,6 +339,237 @@ std::vector<at::Tensor> attention_rows(
   }
   const at::Tensor x_out = bf16 ? x1.to(dtype) : x1;
   return {x_out, edge0::rms_norm(x_out, post_norm, post_eps, lanes)};
+}
+
+// The vector loops' functions: built for the CPU's widest vectors (x86: AVX-512, AVX2 or the
+// baseline, picked at load) with GCC's vectorizer on. Their loops run along columns that do
+// not depend on each other and contraction stays off (-ffp-contract=off), so every width
+// computes the same bits.
+#if defined(__x86_64__)
+#define EDGE0_VECTOR_LOOPS                                 \
+  __attribute__((target_clones("avx512f", "avx2", "default"), \
+                 optimize("tree-vectorize", "vect-cost-model=dynamic")))
+#else
+#define EDGE0_VECTOR_LOOPS \
+  __attribute__((optimize("tree-vectorize", "vect-cost-model=dynamic")))
+#endif
+
+// One value head's gated delta rule at one token, its state s [Dk, Dv] advanced in place and
+// its output o [Dv], with q and k normalised: the state decays along its key rows as S^T k
+// sums them (ks); u = beta * (v - ks); then each row takes its update k_i u as S^T q sums it.
+// Two passes over the state, the sums in ATen's cascaded order (norms.h cascade_rows): for Dv
+// a multiple of 4 vectors of ATen's lanes.
+EDGE0_VECTOR_LOOPS void delta_head(const float* q, const float* k, const float* v, float* s,
+                                   float* o, float e, float beta, int64_t dk, int64_t dv,
+                                   float* u, float* levels) {
+  // norms.h cascade_rows written out: a function built for other vectors cannot inline it
+  const int64_t power = std::max<int64_t>(4, edge0::sums::ceil_log2(dk) / edge0::sums::kLevels);
+  const int64_t mask = (int64_t(1) << power) - 1;
+  float* acc[edge0::sums::kLevels];
+  for (int j = 0; j < edge0::sums::kLevels; ++j) acc[j] = levels + j * dv;
+  auto merge = [&](int64_t n) {  // after row n - 1
+    for (int j = 1; j < edge0::sums::kLevels; ++j) {
+      float* lo = acc[j - 1];
+      float* hi = acc[j];
+      for (int64_t c = 0; c < dv; ++c) {
+        hi[c] = hi[c] + lo[c];
+        lo[c] = 0.0f;
+      }
+      if ((n & (mask << (j * power))) != 0) break;
+    }
+  };
+  auto finish = [&](float* out) {
+    for (int j = 1; j < edge0::sums::kLevels; ++j)
+      for (int64_t c = 0; c < dv; ++c) acc[0][c] = acc[0][c] + acc[j][c];
+    for (int64_t c = 0; c < dv; ++c) {
+      out[c] = 0.0f + acc[0][c];
+      for (int j = 0; j < edge0::sums::kLevels; ++j) acc[j][c] = 0.0f;
+    }
+  };
+  for (int j = 0; j < edge0::sums::kLevels; ++j)
+    for (int64_t c = 0; c < dv; ++c) acc[j][c] = 0.0f;
+  float* a0 = acc[0];
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = s + i * dv;
+    const float ki = k[i];
+#pragma GCC ivdep
+    for (int64_t c = 0; c < dv; ++c) {
+      const float decayed = row[c] * e;
+      row[c] = decayed;
+      a0[c] = a0[c] + ki * decayed;
+    }
+    if (((i + 1) & mask) == 0) merge(i + 1);
+  }
+  float* ks = u;  // S^T k, then u in its place
+  finish(ks);
+  for (int64_t c = 0; c < dv; ++c) u[c] = beta * (v[c] - ks[c]);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = s + i * dv;
+    const float ki = k[i], qi = q[i];
+#pragma GCC ivdep
+    for (int64_t c = 0; c < dv; ++c) {
+      const float updated = row[c] + ki * u[c];
+      row[c] = updated;
+      a0[c] = a0[c] + qi * updated;
+    }
+    if (((i + 1) & mask) == 0) merge(i + 1);
+  }
+  finish(o);
+}
+
+// edge0::delta_rows: models/qwen3_5_moe.py GatedDeltaNet.forward (Gated DeltaNet's linear
+// attention) for one decode token of each of B sequences, h [B, 1, D] (the layer's normed
+// input) -> [B, 1, D], advancing each row's state in place: its conv window [1, C, W-1] (in
+// h's dtype) and its delta-rule matrix [1, Hv, Dk, Dv] (fp32), zero before its first token.
+// The operations are the module's at one token (delta_rule.py causal_conv, gated_delta with
+// `recurrent`, layers.py GatedRMSNorm), in the same order, each result rounded where the
+// module's op rounds it: the projections as project() computes them; the conv's products and
+// sums, l2norm, the delta rule and the output norm as loops over floats, their sums in ATen's
+// order (norms.h: the key and query products down the matrix's rows are outer sums); exp,
+// sigmoid, softplus and SiLU as ATen's own ops on tensors of the module's shape (their
+// vector paths' bits are not libm's). Each row is computed alone, as its own step computes it.
+at::Tensor delta_rows(const at::Tensor& h, at::TensorList qkv_proj, at::TensorList z_proj,
+                      at::TensorList b_proj, at::TensorList a_proj, at::TensorList out_proj,
+                      at::ArrayRef<double> lora_scale, const at::Tensor& conv,
+                      const at::Tensor& dt_bias, const at::Tensor& a_log, const at::Tensor& norm,
+                      double norm_eps, at::TensorList windows, at::TensorList states,
+                      int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim,
+                      int64_t lanes, at::IntArrayRef layout, int64_t isa) {
+  const auto dtype = h.scalar_type();
+  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK(h.dim() == 3 && h.size(0) >= 1 && h.size(1) == 1 && (bf16 || dtype == at::kFloat),
+              "h must be fp32 or bf16 [B, 1, D]");
+  const int64_t rows = h.size(0), hk = key_heads, hv = value_heads, dk = key_dim, dv = value_dim;
+  TORCH_CHECK(hk >= 1 && hv % hk == 0, "value heads must be a multiple of key heads");
+  TORCH_CHECK(lanes >= 1 && lanes <= edge0::kMaxLanes, "lanes must be 1 to ", edge0::kMaxLanes);
+  TORCH_CHECK(lora_scale.size() == 5, "one LoRA scale per projection");
+  const int64_t kd = hk * dk, vd = hv * dv, channels = 2 * kd + vd, rep = hv / hk;
+  TORCH_CHECK(conv.dim() == 3 && conv.size(0) == channels && conv.size(1) == 1,
+              "conv must be [C, 1, W]");
+  const int64_t w = conv.size(2);
+  TORCH_CHECK(w >= 2, "the conv needs a window");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == rows &&
+                  static_cast<int64_t>(states.size()) == rows,
+              "one conv window and one state per row");
+  for (int64_t b = 0; b < rows; ++b) {
+    TORCH_CHECK(windows[b].is_contiguous() && windows[b].scalar_type() == dtype &&
+                    windows[b].numel() == channels * (w - 1),
+                "row ", b, ": the conv window must be contiguous [1, C, W-1] in h's dtype");
+    TORCH_CHECK(states[b].is_contiguous() && states[b].scalar_type() == at::kFloat &&
+                    states[b].numel() == hv * dk * dv,
+                "row ", b, ": the state must be contiguous fp32 [1, Hv, Dk, Dv]");
+  }
+  TORCH_CHECK(norm.numel() == dv && dt_bias.numel() == hv && a_log.numel() == hv,
+              "norm must be [Dv], dt_bias and A_log [Hv]");
+  const auto ps = project(h, {qkv_proj, z_proj, b_proj, a_proj}, lora_scale.slice(0, 4), layout,
+                          isa);
+  TORCH_CHECK(ps[0].size(-1) == channels && ps[1].size(-1) == vd && ps[2].size(-1) == hv &&
+                  ps[3].size(-1) == hv,
+              "the projections' outputs must be [q|k|v], z, b and a");
+  // the conv's taps in h's dtype, as causal_conv casts them
+  const at::Tensor taps = floats(conv.to(dtype));
+  const at::Tensor normw = floats(norm);
+  // -exp(A_log) * softplus(a + dt_bias), as the module's ops compute it
+  const at::Tensor neg_a = at::neg(at::exp(a_log.to(at::kFloat)));
+  const float step_scale = static_cast<float>(std::pow(static_cast<double>(dk), -0.5));
+  std::vector<at::Tensor> normed(rows);
+  for (int64_t b = 0; b < rows; ++b) {
+    const at::Tensor qkv = floats(ps[0].narrow(0, b, 1));
+    const float* xp = qkv.data_ptr<float>();
+    at::Tensor window = windows[b];
+    const at::Tensor old = floats(window);
+    const float* wp = old.data_ptr<float>();
+    const float* tp = taps.data_ptr<float>();
+    at::Tensor mixed = at::empty({1, channels, 1}, h.options().dtype(at::kFloat));
+    at::Tensor next = at::empty({1, channels, w - 1}, h.options().dtype(at::kFloat));
+    {
+      RECORD_FUNCTION("edge0::causal_conv", std::vector<c10::IValue>());
+      float* mp = mixed.data_ptr<float>();
+      float* np = next.data_ptr<float>();
+      for (int64_t c = 0; c < channels; ++c) {
+        const float* prev = wp + c * (w - 1);
+        auto at_tap = [&](int64_t i) { return i < w - 1 ? prev[i] : xp[c]; };
+        float acc = edge0::round_to(0.0f + edge0::round_to(tp[c * w] * at_tap(0), bf16), bf16);
+        for (int64_t i = 1; i < w; ++i)
+          acc = edge0::round_to(acc + edge0::round_to(tp[c * w + i] * at_tap(i), bf16), bf16);
+        mp[c] = acc;
+        for (int64_t i = 0; i < w - 1; ++i) np[c * (w - 1) + i] = at_tap(i + 1);
+      }
+    }
+    window.copy_(next);
+    const at::Tensor y = floats(at::silu(bf16 ? mixed.to(dtype) : mixed));  // [q|k|v]
+    const at::Tensor beta = floats(at::sigmoid(ps[2].narrow(0, b, 1)));
+    const at::Tensor g = neg_a * at::softplus(ps[3].narrow(0, b, 1).to(at::kFloat) + dt_bias);
+    const at::Tensor decay = floats(at::exp(g));
+    at::Tensor out = at::empty({hv, dv}, h.options().dtype(at::kFloat));
+    const float* yq = y.data_ptr<float>();
+    const float* bp = beta.data_ptr<float>();
+    const float* dp = decay.data_ptr<float>();
+    float* sp = states[b].data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    // every column in ATen's cascaded vectors (outer_sum): the passes can be fused
+    const bool fused = dv % (4 * lanes) == 0;
+    {
+      RECORD_FUNCTION("edge0::delta_rule", std::vector<c10::IValue>());
+      at::parallel_for(0, hv, 1, [&](int64_t lo, int64_t hi) {
+        std::vector<float> q(dk), k(dk), u(dv), ks(dv), levels(edge0::sums::kLevels * dv);
+        for (int64_t head = lo; head < hi; ++head) {
+          const int64_t key = head / rep;  // repeat_interleave: `rep` value heads a key head
+          const float* q0 = yq + key * dk;
+          const float* k0 = yq + kd + key * dk;
+          const float* v0 = yq + 2 * kd + head * dv;
+          // delta_rule.py l2norm: x * rsqrt(sum(x * x) + 1e-6), q then times Dk^-0.5
+          const float qs = edge0::inner_sum(dk, lanes, [&](int64_t i) { return q0[i] * q0[i]; });
+          const float ksum =
+              edge0::inner_sum(dk, lanes, [&](int64_t i) { return k0[i] * k0[i]; });
+          const float qinv = 1.0f / std::sqrt(qs + 1e-6f);
+          const float kinv = 1.0f / std::sqrt(ksum + 1e-6f);
+          for (int64_t i = 0; i < dk; ++i) {
+            q[i] = (q0[i] * qinv) * step_scale;
+            k[i] = k0[i] * kinv;
+          }
+          float* s = sp + head * dk * dv;
+          float* o = op + head * dv;
+          const float e = dp[head], bh = bp[head];
+          if (fused) {
+            delta_head(q.data(), k.data(), v0, s, o, e, bh, dk, dv, u.data(), levels.data());
+            continue;
+          }
+          // the module's passes one by one (columns that do not fill ATen's vectors)
+          for (int64_t i = 0; i < dk * dv; ++i) s[i] = s[i] * e;
+          edge0::outer_sum(
+              dk, dv, lanes, [&](int64_t i, int64_t c) { return k[i] * s[i * dv + c]; },
+              ks.data());
+          for (int64_t c = 0; c < dv; ++c) u[c] = bh * (v0[c] - ks[c]);
+          for (int64_t i = 0; i < dk; ++i) {
+            float* row = s + i * dv;
+            const float ki = k[i];
+#pragma GCC ivdep
+            for (int64_t c = 0; c < dv; ++c) row[c] = row[c] + ki * u[c];
+          }
+          edge0::outer_sum(
+              dk, dv, lanes, [&](int64_t i, int64_t c) { return q[i] * s[i * dv + c]; }, o);
+        }
+      });
+    }
+    // the output in h's dtype, then GatedRMSNorm in fp32: w * (x * rsqrt(mean(x^2) + eps))
+    // * silu(z), rounded to h's dtype
+    const at::Tensor gate = floats(at::silu(ps[1].narrow(0, b, 1).to(at::kFloat)));
+    const float* zp = gate.data_ptr<float>();
+    const float* nw = normw.data_ptr<float>();
+    const float eps = static_cast<float>(norm_eps);
+    for (int64_t head = 0; head < hv; ++head) {
+      float* o = op + head * dv;
+      for (int64_t c = 0; c < dv; ++c) o[c] = edge0::round_to(o[c], bf16);
+      const float sum = edge0::inner_sum(dv, lanes, [&](int64_t c) { return o[c] * o[c]; });
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dv) + eps);
+      for (int64_t c = 0; c < dv; ++c)
+        o[c] = edge0::round_to((nw[c] * (o[c] * inv)) * zp[head * dv + c], bf16);
+    }
+    normed[b] = (bf16 ? out.to(dtype) : out).view({1, 1, vd});
+  }
+  const at::Tensor all = rows == 1 ? normed[0] : at::cat(normed);
+  return project(all, {out_proj}, lora_scale.slice(4), layout, isa)[0];
 }
 
 // edge0::moe_combine: blocks.py MoEBlock's weighted sum of one token's K experts and
@@ -920,6 +1152,11 @@ TORCH_LIBRARY(edge0, m) {
       "float[] lora_scale, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] n, int heads, int kv_heads, "
       "int head_dim, float scale, int lanes, int[] layout, int isa) -> Tensor[]");
+  m.def(
+      "delta_rows(Tensor h, Tensor[] qkv_proj, Tensor[] z_proj, Tensor[] b_proj, Tensor[] a_proj, "
+      "Tensor[] out_proj, float[] lora_scale, Tensor conv, Tensor dt_bias, Tensor A_log, "
+      "Tensor norm, float norm_eps, Tensor(a!)[] windows, Tensor(b!)[] states, int key_heads, "
+      "int value_heads, int key_dim, int value_dim, int lanes, int[] layout, int isa) -> Tensor");
   m.def("native_attention_from() -> int", &native_attention_from);
   m.def(
       "moe_combine(Tensor routed, Tensor weights, Tensor x, Tensor? shared, int lanes) -> "
@@ -935,6 +1172,7 @@ TORCH_LIBRARY(edge0, m) {
 
 TORCH_LIBRARY_IMPL(edge0, CPU, m) {
   m.impl("attention_rows", &attention_rows);
+  m.impl("delta_rows", &delta_rows);
   m.impl("moe_combine", &moe_combine);
   m.impl("softmax_topk", &softmax_topk);
   m.impl("router_topk", &router_topk);

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace edge0 {
 
@@ -102,6 +103,35 @@ float inner_sum(int64_t n, int64_t lanes, F f) {
   return 0.0f + total;  // the output starts at zero and accumulates the row's sum
 }
 
+// out[c] = sum over rows i < k of row i's values, for d columns side by side, in the order
+// outer_sum's cascade adds each column (its level merges at the same rows): the additions
+// column by column are those of every column at once, row after row, so each column's bits
+// come out of vector loops. `row(i, acc)` adds row i's d values into acc[0..d) (and may do
+// other work on that row as it goes: the delta rule updates its state row there).
+template <class Row>
+void cascade_rows(int64_t k, int64_t d, Row row, float* out) {
+  const int64_t power = std::max<int64_t>(4, sums::ceil_log2(k) / sums::kLevels);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  std::vector<float> levels(sums::kLevels * d, 0.0f);
+  float* acc[sums::kLevels];
+  for (int j = 0; j < sums::kLevels; ++j) acc[j] = levels.data() + j * d;
+  int64_t i = 0;
+  while (i + step <= k) {
+    for (const int64_t end = i + step; i < end; ++i) row(i, acc[0]);
+    for (int j = 1; j < sums::kLevels; ++j) {
+      for (int64_t c = 0; c < d; ++c) {
+        acc[j][c] = acc[j][c] + acc[j - 1][c];
+        acc[j - 1][c] = 0.0f;
+      }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < k; ++i) row(i, acc[0]);
+  for (int j = 1; j < sums::kLevels; ++j)
+    for (int64_t c = 0; c < d; ++c) acc[0][c] = acc[0][c] + acc[j][c];
+  for (int64_t c = 0; c < d; ++c) out[c] = 0.0f + acc[0][c];
+}
+
 // out[c] = sum(f(i, c) for i < k) for c < d, as ATen sums dim 0 of a [k, d] whose rows are
 // contiguous: columns in runs of 4 vectors cascade down the rows; the columns after the last
 // such run (whole vectors, then single floats) take row_sum's order.
@@ -118,9 +148,19 @@ void outer_sum(int64_t k, int64_t d, int64_t lanes, F f, float* out) {
 #pragma GCC ivdep
       for (int64_t j = 0; j < cascaded; ++j) out[j] = out[j] + f(i, j);
   }
+  if (c < cascaded) {
+    cascade_rows(
+        k, cascaded,
+        [&](int64_t i, float* acc) {
+#pragma GCC ivdep
+          for (int64_t j = 0; j < cascaded; ++j) acc[j] = acc[j] + f(i, j);
+        },
+        out);
+    c = cascaded;
+  }
   for (; c < d; ++c) {
     auto column = [&](int64_t i) { return f(i, c); };
-    out[c] = 0.0f + (c < cascaded ? sums::cascade(k, column) : sums::row_sum(k, column));
+    out[c] = 0.0f + sums::row_sum(k, column);
   }
 }
 

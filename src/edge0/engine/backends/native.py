@@ -3,7 +3,8 @@
 Each computes what the PyTorch path computes, bit for bit (the int8-activation kernels
 excepted, which are their own reference's bits on every CPU), in one call where the PyTorch
 path takes dozens of ATen ops: a decode token's K experts, a prefill's experts, a decode
-token's attention half and routing (native_layers.py), the prerouter heads.
+token's attention half and routing (native_layers.py), a Gated DeltaNet layer's mixer
+(native_delta.py), the prerouter heads.
 
 Shape legend: T tokens, K active, D hidden, n tokens routed to one expert.
 """
@@ -17,6 +18,7 @@ from torch import nn
 
 from edge0 import native
 from edge0.engine.backends.base import Backend, ExpertOps, Group
+from edge0.engine.backends.native_delta import delta_layers
 from edge0.engine.backends.native_layers import native_layers
 from edge0.engine.backends.native_staged import NativeStaged
 from edge0.engine.backends.native_token import NativeToken
@@ -96,7 +98,8 @@ class NativeBackend(Backend):
         )
 
     def layers(self, model: nn.Module) -> dict[int, Callable]:
-        return native_layers(model, self.options.cache_dir, self.int8)
+        cache = self.options.cache_dir
+        return native_layers(model, cache, self.int8) | delta_layers(model, cache, self.int8)
 
     def token_decoder(self, model: nn.Module, layers: dict, pool, experts: ExpertOps):
         if not isinstance(experts, NativeExperts) or not NativeToken.servable(model, layers):

@@ -70,7 +70,7 @@ class NativeToken:
     def servable(model: nn.Module, layers: dict[int, NativeLayer]) -> bool:
         """Whether every decoder layer is a native one the token op can take (as built)."""
         stand_ins = [layers.get(i) for i in range(len(model.backbone.layers))]
-        if not stand_ins or None in stand_ins:
+        if not stand_ins or any(type(s) is not NativeLayer for s in stand_ins):
             return False
         # full rotary of one head size: the rotary row of a token is every layer's
         head_dims = {s.mixer.head_dim for s in stand_ins}

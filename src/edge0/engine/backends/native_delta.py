@@ -1,0 +1,106 @@
+"""A Gated DeltaNet layer at decode through the native op (Qwen3.5/3.6's linear attention).
+
+`torch.ops.edge0.delta_rows` (decode_ops.cpp) computes models/qwen3_5_moe.py GatedDeltaNet's
+forward for one token of each of a step's sequences: the input projections, the causal conv
+over the last W inputs, the gated delta rule on its [Hv, Dk, Dv] state, the gated output norm
+and the output projection, with the module's operations in the module's order, advancing the
+conv window and the state in place. The module's ~60 ATen ops and the copies of the state
+between them become one call; the layer's norms, residuals and MoE block stay the module's.
+With bf16 activations the result is the module's bit for bit (tests/test_native_delta.py);
+with int8 activations its int4 projections take the int8 kernel, as the attention layers'
+do. Served: the mixer GatedDeltaNet with projections that are Int4Linear or float nn.Linear
+(either under a LoraLinear), a SiLU output norm, one token of each row, a float cache.
+Anything else takes the layer's own forward.
+Shape legend: D hidden, Hk / Hv key / value heads, Dk / Dv their dims, W conv width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge0 import native
+from edge0.engine.backends.native_layers import projection, sum_lanes
+from edge0.models.blocks import DecoderLayer
+from edge0.models.layers import GatedRMSNorm, KVCache, RowCaches
+from edge0.models.qwen3_5_moe import GatedDeltaNet
+
+PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+def servable(layer) -> bool:
+    """Whether the op computes this decoder layer's mixer as its forward does."""
+    if not isinstance(layer, DecoderLayer) or type(layer.mixer) is not GatedDeltaNet:
+        return False
+    mixer = layer.mixer
+    if type(mixer.norm) is not GatedRMSNorm or mixer.norm.act is not F.silu:
+        return False
+    return all(projection(mixer._modules[p]) is not None for p in PROJECTIONS)
+
+
+class NativeDelta:
+    """A Gated DeltaNet decoder layer's stand-in at decode: its mixer through the op for one
+    token of each row, in fp32 or bf16; anything else through the layer itself."""
+
+    def __init__(self, layer: DecoderLayer, op: Callable, lanes: int, int8: bool):
+        self.layer, self.op, self.lanes = layer, op, lanes
+        self.mixer: GatedDeltaNet = layer.mixer
+        self.layout, self.isa = native.kernel_args(int8)
+        self._key, self._args = None, None
+
+    def _static(self) -> tuple[tuple, tuple] | None:
+        """The op's arguments that do not change from token to token, again only when a
+        projection or its adapter's switch changed; None if the op cannot take one."""
+        m = self.mixer
+        modules = [m._modules[p] for p in PROJECTIONS]
+        key = tuple(modules) + tuple(p.__dict__.get("enabled") for p in modules)
+        if key != self._key:
+            self._key, self._args = key, None
+            parts = [projection(p) for p in modules]
+            if None not in parts:
+                head = (*[p[0] for p in parts], [p[1] for p in parts], m.conv1d.weight)
+                head += (m.dt_bias, m.A_log, m.norm.weight, m.norm.eps)
+                tail = (m.hk, m.hv, m.dk, m.dv, self.lanes, self.layout, self.isa)
+                self._args = head, tail
+        return self._args
+
+    def __call__(self, x: torch.Tensor, rope, fwd) -> torch.Tensor:
+        layer, cache, args = self.layer, fwd.cache, self._static()
+        caches = cache.rows if type(cache) is RowCaches else [cache]
+        if (
+            args is None
+            or x.shape[1] != 1
+            or x.dtype not in (torch.float32, torch.bfloat16)
+            or any(type(c) is not KVCache for c in caches)
+            or len(caches) != x.shape[0]
+        ):
+            return layer(x, rope, fwd)
+        at = self.mixer.layer
+        slots = [c.state_slot(at, 1) for c in caches]
+        windows, states = [s[0] for s in slots], [s[1] for s in slots]
+        y = self.op(layer.input_layernorm(x), *args[0], windows, states, *args[1])
+        for c in caches:
+            c.length[at] += 1
+        # DecoderLayer.forward's residuals and MLP, the mixer's output the op's
+        x = x + y
+        h = layer.post_attention_layernorm(x)
+        mlp = layer.mlp_block
+        return x + (mlp(h, fwd) if layer.is_moe else mlp(h))
+
+
+def delta_layers(model: nn.Module, cache_dir: Path | None = None, int8: bool = False) -> dict:
+    """The stand-in for every Gated DeltaNet layer the op serves, by layer index (none where
+    the float sums' order could not be matched here: see sum_lanes)."""
+    lanes = sum_lanes(cache_dir)
+    if lanes is None:
+        return {}
+    op = native.op("delta_rows", cache_dir)
+    return {
+        i: NativeDelta(layer, op, lanes, int8)
+        for i, layer in enumerate(model.backbone.layers)
+        if servable(layer)
+    }

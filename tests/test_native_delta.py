@@ -1,0 +1,183 @@
+"""A Gated DeltaNet layer's decode token through the native op (edge0::delta_rows with
+engine/backends/native_delta.py): the module's bits in fp32 and bf16, at the real model's head
+sizes, with int4 and float projections under LoRA adapters; a batched step's rows each their
+own step's bits; the engine's Qwen3.5 decode through it equal to the pure-PyTorch path."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge0 import native
+from edge0.convert import convert
+from edge0.engine.backends.native_delta import NativeDelta, servable
+from edge0.engine.backends.native_layers import sum_lanes
+from edge0.engine.load import load_engine
+from edge0.engine.options import EngineOptions
+from edge0.formats.int4_layout import host_layout
+from edge0.models.base import Forward
+from edge0.models.blocks import DecoderLayer
+from edge0.models.int4 import Int4Linear, quantize
+from edge0.models.layers import MLP, KVCache, RowCaches, ZeroCenteredRMSNorm
+from edge0.models.lora import LoraLinear
+from edge0.models.qwen3_5_moe import Config, GatedDeltaNet
+
+pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
+
+# Qwen3.5-35B-A3B's linear-attention head sizes (2 of its 16 key heads, 4 of its 32 value
+# heads): the delta rule's sums run down 128 rows, through every level of ATen's cascade
+HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM = 256, 2, 4, 128
+
+
+def delta_layer(dtype: torch.dtype, seed: int = 0) -> DecoderLayer:
+    """A Gated DeltaNet decoder layer with random weights: q|k|v, z and the output projection
+    int4 (q|k|v and the output under enabled adapters), b and a float, b under an adapter."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = Config(
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        linear_num_key_heads=KEY_HEADS,
+        linear_num_value_heads=VALUE_HEADS,
+        linear_key_head_dim=HEAD_DIM,
+        linear_value_head_dim=HEAD_DIM,
+    )
+    mixer = GatedDeltaNet(cfg, 0)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        mixer.A_log.copy_(torch.rand(VALUE_HEADS, generator=gen).log())
+        mixer.norm.weight.copy_(1 + 0.1 * torch.randn(HEAD_DIM, generator=gen))
+
+    def int4(linear):
+        w = torch.randn(linear.weight.shape, generator=gen) * linear.in_features**-0.5
+        return Int4Linear(*quantize(w), host_layout())
+
+    def adapted(base):
+        lora = LoraLinear(base, r=8, alpha=16)
+        with torch.no_grad():
+            lora.lora_A.copy_(torch.randn(lora.lora_A.shape, generator=gen) * 0.1)
+            lora.lora_B.copy_(torch.randn(lora.lora_B.shape, generator=gen) * 0.1)
+        return lora
+
+    mixer.in_proj_qkv = adapted(int4(mixer.in_proj_qkv))
+    mixer.in_proj_z = int4(mixer.in_proj_z)
+    mixer.out_proj = adapted(int4(mixer.out_proj))
+    mixer.in_proj_b = adapted(mixer.in_proj_b)
+    norm = partial(ZeroCenteredRMSNorm, HIDDEN, 1e-6)
+    layer = DecoderLayer(("linear_attn", mixer), ("mlp", MLP(HIDDEN, 128)), norm)
+    with torch.no_grad():
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            getattr(layer, name).weight.copy_(0.1 * torch.randn(HIDDEN, generator=gen))
+    return layer.to(dtype)
+
+
+def stand_in(layer: DecoderLayer) -> NativeDelta:
+    return NativeDelta(layer, native.op("delta_rows"), sum_lanes(), int8=False)
+
+
+def new_cache(layer: DecoderLayer, dtype: torch.dtype) -> KVCache:
+    return KVCache([layer.mixer.cache_spec()], 64, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_is_the_modules_step_bit_for_bit(dtype):
+    """Twelve tokens from a fresh state, each through the module and through the op on their
+    own caches: every output, conv window and delta-rule state equal, bit for bit."""
+    layer = delta_layer(dtype)
+    assert servable(layer)
+    native_layer = stand_in(layer)
+    ours, theirs = new_cache(layer, dtype), new_cache(layer, dtype)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _ in range(12):
+            x = torch.randn(1, 1, HIDDEN, generator=gen).to(dtype)
+            expected = layer(x, None, Forward(theirs))
+            got = native_layer(x, None, Forward(ours))
+            assert torch.equal(got, expected)
+            for a, b in zip(ours.state(0), theirs.state(0), strict=True):
+                assert torch.equal(a, b)
+    assert ours.length == theirs.length == [12]
+    assert ours.state(0)[1].abs().max() > 0.1  # the state carries something to get wrong
+
+
+def test_a_batched_steps_rows_are_each_their_own_step():
+    """Three rows at different points of their sequences in one call: each row's output and
+    state are those of its own step alone."""
+    dtype = torch.bfloat16
+    layer = delta_layer(dtype, seed=2)
+    native_layer = stand_in(layer)
+    gen = torch.Generator().manual_seed(3)
+    rows, alone = [], []
+    with torch.no_grad():
+        for n in (0, 1, 4):  # tokens seen before the batched step
+            a, b = new_cache(layer, dtype), new_cache(layer, dtype)
+            for _ in range(n):
+                x = torch.randn(1, 1, HIDDEN, generator=gen).to(dtype)
+                native_layer(x, None, Forward(a))
+                native_layer(x, None, Forward(b))
+            rows.append(a)
+            alone.append(b)
+        x = torch.randn(3, 1, HIDDEN, generator=gen).to(dtype)
+        together = native_layer(x, None, Forward(RowCaches(rows)))
+        for i, cache in enumerate(alone):
+            own = native_layer(x[i : i + 1], None, Forward(cache))
+            assert torch.equal(together[i : i + 1], own)
+            for a, b in zip(rows[i].state(0), cache.state(0), strict=True):
+                assert torch.equal(a, b)
+
+
+def test_a_prompt_of_several_tokens_takes_the_modules_forward():
+    """Prefill (several tokens of one sequence) is the module's chunked form, not the op's."""
+    dtype = torch.float32
+    layer = delta_layer(dtype)
+    x = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    ours, theirs = new_cache(layer, dtype), new_cache(layer, dtype)
+    with torch.no_grad():
+        assert torch.equal(stand_in(layer)(x, None, Forward(ours)), layer(x, None, Forward(theirs)))
+    assert ours.length == [5]
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory) -> Path:
+    from test_families import make_checkpoint
+
+    root = tmp_path_factory.mktemp("q35native")
+    make_checkpoint(root / "hf", "qwen3_5_moe")
+    convert(root / "hf", root / "e0", progress=False)
+    return root / "e0"
+
+
+def decode(path: Path, backend: str, dtype: torch.dtype, activations: str = "bf16"):
+    opts = EngineOptions(
+        io_mode="buffered", backend=backend, dtype=dtype, int4_activations=activations
+    )
+    engine = load_engine(path, opts)
+    try:
+        with engine.new_request() as req:
+            logits = [engine.prefill(req, engine.tokenizer.encode("def f(x):"))]
+            for _ in range(10):
+                logits.append(engine.step(req, int(logits[-1].argmax())))
+        served = sorted(i for i, s in engine.layers.items() if type(s) is NativeDelta)
+        return torch.stack(logits), served
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_decodes_qwen35_through_the_op_as_the_torch_path_does(qwen35, dtype):
+    """Qwen3.5's linear-attention layers (0 and 2 of 4) decode through the op; the logits of
+    ten greedy steps are the pure-PyTorch backend's, bit for bit."""
+    fused, served = decode(qwen35, "native", dtype)
+    reference, none = decode(qwen35, "torch", dtype)
+    assert served == [0, 2] and none == []
+    assert torch.equal(fused, reference)
