@@ -14,7 +14,7 @@ import torch
 from edge0 import native
 from edge0.convert import convert
 from edge0.engine.backends.native_delta import NativeDelta, servable
-from edge0.engine.backends.native_layers import sum_lanes
+from edge0.engine.backends.native_layers import MoeTail, layer_ops, sum_lanes
 from edge0.engine.load import load_engine
 from edge0.engine.options import EngineOptions
 from edge0.formats.int4_layout import host_layout
@@ -82,7 +82,9 @@ def delta_layer(dtype: torch.dtype, seed: int = 0) -> DecoderLayer:
 
 
 def stand_in(layer: DecoderLayer) -> NativeDelta:
-    return NativeDelta(layer, native.op("delta_rows"), sum_lanes(), int8=False)
+    lanes = sum_lanes()
+    tail = MoeTail(layer, layer_ops(), lanes)
+    return NativeDelta(layer, native.op("delta_rows"), tail, lanes, int8=False)
 
 
 def new_cache(layer: DecoderLayer, dtype: torch.dtype) -> KVCache:
@@ -167,17 +169,19 @@ def decode(path: Path, backend: str, dtype: torch.dtype, activations: str = "bf1
             logits = [engine.prefill(req, engine.tokenizer.encode("def f(x):"))]
             for _ in range(10):
                 logits.append(engine.step(req, int(logits[-1].argmax())))
-        served = sorted(i for i, s in engine.layers.items() if type(s) is NativeDelta)
-        return torch.stack(logits), served
+        kinds = {i: type(s).__name__ for i, s in engine.layers.items()}
+        return torch.stack(logits), kinds
     finally:
         engine.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_engine_decodes_qwen35_through_the_op_as_the_torch_path_does(qwen35, dtype):
-    """Qwen3.5's linear-attention layers (0 and 2 of 4) decode through the op; the logits of
+    """Qwen3.5's linear-attention layers (0 and 2 of 4) decode through the op, its gated
+    attention layers through the module with their MoE half through the ops; the logits of
     ten greedy steps are the pure-PyTorch backend's, bit for bit."""
     fused, served = decode(qwen35, "native", dtype)
     reference, none = decode(qwen35, "torch", dtype)
-    assert served == [0, 2] and none == []
+    assert served == {0: "NativeDelta", 1: "ModuleMixer", 2: "NativeDelta", 3: "ModuleMixer"}
+    assert none == {}
     assert torch.equal(fused, reference)

@@ -157,6 +157,27 @@ class NativeRoute:
         return logits, *self.softmax_topk(logits, block.top_k, self.norm, allowed)
 
 
+class MoeTail:
+    """A decoder layer's second half for one row at decode, x + mlp(h) (h: x's post-attention
+    norm): an MoE block routed through the ops where it routes by softmax top-k (NativeRoute),
+    its experts and shared expert as the block runs them (MoEBlock.parts), the weighted sum and
+    the residual in one op (moe_combine), as the module adds them; a dense MLP as the module's
+    own."""
+
+    def __init__(self, layer: DecoderLayer, ops: tuple[Callable, ...], lanes: int):
+        _, self.combine, router_topk, softmax_topk = ops
+        block, self.lanes = layer.mlp_block, lanes
+        self.mlp, self.is_moe = block, layer.is_moe
+        softmax = layer.is_moe and type(block.selector) is SoftmaxTopK
+        self.route = NativeRoute(block, router_topk, softmax_topk) if softmax else None
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor, fwd) -> torch.Tensor:
+        if not self.is_moe:
+            return x + self.mlp(h)
+        routed, weights, shared = self.mlp.parts(h.view(1, -1), fwd, self.route)
+        return self.combine(routed, weights, x, shared, self.lanes)
+
+
 class NativeLayer:
     """A decoder layer's stand-in at decode: one token of one sequence, or of each of a
     batched step's rows, in fp32 or bf16 (the layer's weights in its dtype), through the ops;
@@ -164,16 +185,14 @@ class NativeLayer:
 
     def __init__(self, layer: DecoderLayer, ops: tuple[Callable, ...], lanes: int, int8: bool):
         self.layer, self.lanes = layer, lanes
-        self.op, self.combine, router_topk, softmax_topk = ops
-        block = layer.mlp_block
-        softmax = layer.is_moe and type(block.selector) is SoftmaxTopK
-        self.route = NativeRoute(block, router_topk, softmax_topk) if softmax else None
+        self.op = ops[0]
+        self.tail = MoeTail(layer, ops, lanes)
+        self.route, self.mlp, self.is_moe = self.tail.route, self.tail.mlp, self.tail.is_moe
         self.layout, self.isa = native.kernel_args(int8)
         # several rows: with int8 activations each row's own kernel, so that a row's step is
         # its step alone; with bf16 torch's int4 kernel's bits, the module path's
         self.rows_kernel = (self.layout, self.isa) if int8 else native.kernel_args(False)
         a = self.mixer = layer.mixer
-        self.mlp, self.is_moe = block, layer.is_moe
         self.eps = a.q_norm.eps if a.qk_norm == "head" else 0.0
         self._key, self._args = None, None
 
@@ -225,10 +244,7 @@ class NativeLayer:
         k_buf, v_buf = cache.slot(a.layer, 1)
         x, h = self.op(x, *args[1], cos, sin, [k_buf], [v_buf], [n], *args[2])
         cache.length[a.layer] = n + 1
-        if not self.is_moe:
-            return x + self.mlp(h)
-        routed, weights, shared = self.mlp.parts(h.view(1, -1), fwd, self.route)
-        return self.combine(routed, weights, x, shared, self.lanes)
+        return self.tail(x, h, fwd)
 
     def _rows(self, x: torch.Tensor, rope, fwd, args) -> torch.Tensor:
         """A batched decode step's rows x [B, 1, D] (fwd: a RowsForward) through the layer."""
@@ -261,6 +277,12 @@ def each_row(f: Callable, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([f(h[i : i + 1].clone()) for i in range(h.shape[0])])
 
 
+def layer_ops(cache_dir: Path | None = None) -> tuple[Callable, ...]:
+    """The ops a NativeLayer calls (its attention half; MoeTail's combine and routing)."""
+    names = ("attention_rows", "moe_combine", "router_topk", "softmax_topk")
+    return tuple(native.op(name, cache_dir) for name in names)
+
+
 def native_layers(model: nn.Module, cache_dir=None, int8: bool = False) -> dict[int, NativeLayer]:
     """The stand-in for every decoder layer the op serves, by layer index (none where the
     float sums' order could not be matched here: see sum_lanes); `int8`: its int4
@@ -268,10 +290,7 @@ def native_layers(model: nn.Module, cache_dir=None, int8: bool = False) -> dict[
     lanes = sum_lanes(cache_dir)
     if lanes is None:
         return {}
-    ops = tuple(
-        native.op(name, cache_dir)
-        for name in ("attention_rows", "moe_combine", "router_topk", "softmax_topk")
-    )
+    ops = layer_ops(cache_dir)
     return {
         i: NativeLayer(layer, ops, lanes, int8)
         for i, layer in enumerate(model.backbone.layers)
