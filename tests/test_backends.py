@@ -98,3 +98,19 @@ def _read_bytes() -> int:
     """Bytes this process has read through read syscalls (rchar)."""
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_the_torch_backend_reads_experts_during_a_step_under_a_cap():
+    """Under a pool smaller than the experts, the torch backend's reads land during a step, in
+    the engine's inference mode, and fix their (scale, bias) pairs in place in the pool's
+    thread; it decodes what the native backend decodes."""
+    opts = dict(io_mode="buffered", expert_cache=6 << 20, int4_activations="bf16")
+    tokens = {}
+    for name in ("torch", "native"):
+        engine = load_engine(builtin.model_dir(), EngineOptions(backend=name, **opts))
+        try:
+            tokens[name] = greedy(engine)[0]
+            assert engine.pool.stats.evictions > 0
+        finally:
+            engine.close()
+    assert tokens["torch"] == tokens["native"]

@@ -372,10 +372,13 @@ class ExpertPool:
             dt = time.perf_counter_ns() - t0
             if self._verify != "off":
                 self._check(run)
-            for en in run:
-                self.layout.finalize_views(
-                    en.tensors, self.file.int4, self._reorder, self._kernel_pairs
-                )
+            # the views may have been made under the engine's inference mode (a step's first
+            # touch of a slot): torch refuses an in-place update of those outside it
+            with torch.inference_mode():
+                for en in run:
+                    self.layout.finalize_views(
+                        en.tensors, self.file.int4, self._reorder, self._kernel_pairs
+                    )
             with self._lock:
                 self.stats.reads += 1
                 self.stats.loads += len(run)
