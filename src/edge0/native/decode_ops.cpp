@@ -221,11 +221,11 @@ void store_row(at::Tensor& cache, int64_t g, int64_t n, const float* src, int64_
 
 // RMSNorm of the rows of a float buffer in place, with the weight in the compute dtype.
 void norm_in_place(at::Tensor& rows, const at::Tensor& weight, double eps, int64_t lanes,
-                   bool bf16) {
+                   bool bf16, bool zero_centred) {
   const at::Tensor w = floats(weight);
   const int64_t n = rows.size(-1);
   edge0::rms_norm_rows(rows.data_ptr<float>(), w.data_ptr<float>(), rows.data_ptr<float>(),
-                       rows.numel() / n, n, static_cast<float>(eps), lanes, bf16);
+                       rows.numel() / n, n, static_cast<float>(eps), lanes, bf16, zero_centred);
 }
 
 // edge0::attention_rows: blocks.py DecoderLayer's attention half for one decode token of each
@@ -233,14 +233,16 @@ void norm_in_place(at::Tensor& rows, const at::Tensor& weight, double eps, int64
 // (every tensor in x's dtype): what the module path computes on one request's decode token
 // (B = 1) or on the B rows of a batched step (models/base.py RowsForward, each row with its
 // own cache and position: layers.py RowCaches with attend_rows). The attention is layers.py
-// Attention.forward with q/k RMSNorm per head or none, full rotary, no window, clip, gate or
-// bias: the same operations in the same order, row b's key and value written at position
+// Attention.forward with q/k RMSNorm per head or none, full or partial rotary (the first
+// `cos`-row channels of each head), no window, clip or bias, and with `output_gate`
+// Qwen3.5's sigmoid gate that q_proj computes beside each head's query; with `zero_centred`
+// every norm is ZeroCenteredRMSNorm (1 + w): the same operations in the same order, row b's key and value written at position
 // n[b] of its cache buffers [1, G, max, Dh], then its query's attention over positions
 // 0..n[b], row by row (SDPA, or edge0's own kernel: native_attention above). The norms, the
 // rotary and the residual are loops over floats that round where the module's ops round
 // (norms.cpp; `lanes`: sum_lanes), the products edge0's int4 kernels or ATen's on each row
 // as on one (linear_each_row): with bf16 activations and SDPA, bit-identical to the module
-// path's step of each row alone. `cos` and `sin` hold a row of Dh per sequence. The caches
+// path's step of each row alone. `cos` and `sin` hold a row per sequence. The caches
 // are in x's dtype, or bf16 under fp32 (KVCache's kv_dtype: keys and values rounded as
 // stored, read back in fp32). In fp32 it works on the tensors' memory directly, without
 // conversions.
@@ -251,7 +253,8 @@ std::vector<at::Tensor> attention_rows(
     const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
     double eps, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
     at::TensorList v_caches, at::IntArrayRef n, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    double scale, int64_t lanes, at::IntArrayRef layout, int64_t isa) {
+    double scale, int64_t lanes, at::IntArrayRef layout, int64_t isa, bool output_gate,
+    bool zero_centred) {
   const auto dtype = x.scalar_type();
   const bool bf16 = dtype == at::kBFloat16;
   TORCH_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) == 1 && (bf16 || dtype == at::kFloat),
@@ -264,9 +267,10 @@ std::vector<at::Tensor> attention_rows(
               "one key buffer, value buffer and position per row");
   TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype,
               "cos and sin must be in x's dtype");
-  TORCH_CHECK(cos.numel() == rows * head_dim && sin.numel() == rows * head_dim,
-              "cos and sin must be a row of Dh per sequence");
-  TORCH_CHECK(head_dim % 2 == 0, "rotary needs an even head dim");
+  const int64_t rot = cos.numel() / rows;  // the rotated channels: Dh, or fewer (partial)
+  TORCH_CHECK(cos.numel() == rows * rot && sin.numel() == cos.numel() && rot <= head_dim,
+              "cos and sin must be a row of at most Dh per sequence");
+  TORCH_CHECK(rot % 2 == 0, "rotary needs an even width");
   for (int64_t b = 0; b < rows; ++b) {
     const at::Tensor &kc = k_caches[b], &vc = v_caches[b];
     TORCH_CHECK((kc.scalar_type() == dtype || kc.scalar_type() == at::kBFloat16) &&
@@ -278,29 +282,37 @@ std::vector<at::Tensor> attention_rows(
     TORCH_CHECK(n[b] >= 0 && n[b] < kc.size(2), "row ", b, ": position ", n[b],
                 " is past its cache");
   }
-  const at::Tensor h = edge0::rms_norm(x, input_norm, input_eps, lanes);
+  const at::Tensor h = edge0::rms_norm_as(x, input_norm, input_eps, lanes, zero_centred);
   const auto qkv = project(h, {q_proj, k_proj, v_proj}, lora_scale.slice(0, 3), layout, isa);
-  // the projections' results are fresh tensors: q and k are normalised and rotated in place
-  at::Tensor q = floats(qkv[0]).view({rows * heads, head_dim});
+  // the projections' results are fresh tensors: q and k are normalised and rotated in place;
+  // with an output gate q_proj gives each head [query | gate]
+  at::Tensor q, gate;
+  if (output_gate) {
+    const at::Tensor both = qkv[0].view({rows, heads, 2, head_dim});
+    q = floats(both.select(2, 0).contiguous()).view({rows * heads, head_dim});
+    gate = both.select(2, 1).reshape({rows, 1, heads * head_dim});
+  } else {
+    q = floats(qkv[0]).view({rows * heads, head_dim});
+  }
   at::Tensor k = floats(qkv[1]).view({rows * kv_heads, head_dim});
   const at::Tensor v = floats(qkv[2]);
   if (q_norm.has_value()) {
     RECORD_FUNCTION("edge0::rms_norm", std::vector<c10::IValue>());
-    norm_in_place(q, *q_norm, eps, lanes, bf16);
-    norm_in_place(k, *k_norm, eps, lanes, bf16);
+    norm_in_place(q, *q_norm, eps, lanes, bf16, zero_centred);
+    norm_in_place(k, *k_norm, eps, lanes, bf16, zero_centred);
   }
   {
     RECORD_FUNCTION("edge0::rotary", std::vector<c10::IValue>());
     const at::Tensor cf = floats(cos), sf = floats(sin);
     for (int64_t b = 0; b < rows; ++b) {
-      const float* c = cf.data_ptr<float>() + b * head_dim;
-      const float* s = sf.data_ptr<float>() + b * head_dim;
+      const float* c = cf.data_ptr<float>() + b * rot;
+      const float* s = sf.data_ptr<float>() + b * rot;
       for (int64_t i = 0; i < heads; ++i)
-        rotary(q.data_ptr<float>() + (b * heads + i) * head_dim, c, s, head_dim, bf16);
+        rotary(q.data_ptr<float>() + (b * heads + i) * head_dim, c, s, rot, bf16);
       at::Tensor kc = k_caches[b], vc = v_caches[b];
       for (int64_t g = 0; g < kv_heads; ++g) {
         float* kg = k.data_ptr<float>() + (b * kv_heads + g) * head_dim;
-        rotary(kg, c, s, head_dim, bf16);
+        rotary(kg, c, s, rot, bf16);
         // the token's key and value at position n[b]
         store_row(kc, g, n[b], kg, head_dim);
         store_row(vc, g, n[b], v.data_ptr<float>() + (b * kv_heads + g) * head_dim, head_dim);
@@ -326,8 +338,10 @@ std::vector<at::Tensor> attention_rows(
         kv_heads != heads));
   }
   const at::Tensor out = rows == 1 ? outs[0] : at::cat(outs);
-  const at::Tensor o = floats(project(out.transpose(1, 2).reshape({rows, 1, -1}), {o_proj},
-                                      lora_scale.slice(3), layout, isa)[0]);
+  at::Tensor attended = out.transpose(1, 2).reshape({rows, 1, -1});
+  if (output_gate) attended = at::mul(attended, at::sigmoid(gate));  // the module's ops
+  const at::Tensor o =
+      floats(project(attended, {o_proj}, lora_scale.slice(3), layout, isa)[0]);
   at::Tensor x1 = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   {
     RECORD_FUNCTION("edge0::residual", std::vector<c10::IValue>());
@@ -338,7 +352,7 @@ std::vector<at::Tensor> attention_rows(
     for (int64_t i = 0; i < x1.numel(); ++i) yp[i] = edge0::round_to(xp[i] + op[i], bf16);
   }
   const at::Tensor x_out = bf16 ? x1.to(dtype) : x1;
-  return {x_out, edge0::rms_norm(x_out, post_norm, post_eps, lanes)};
+  return {x_out, edge0::rms_norm_as(x_out, post_norm, post_eps, lanes, zero_centred)};
 }
 
 // The vector loops' functions: built for the CPU's widest vectors (x86: AVX-512, AVX2 or the
@@ -1049,7 +1063,7 @@ class TokenDecoder : public torch::CustomClassHolder {
                           at::TensorList(k_caches.data() + from, rows),
                           at::TensorList(v_caches.data() + from, rows),
                           at::IntArrayRef(n.data() + from, rows), a.heads, a.kv_heads,
-                          a.head_dim, a.scale, lanes_, layout_, isa_);
+                          a.head_dim, a.scale, lanes_, layout_, isa_, false, false);
   }
 
   // The final norm and the LM head on x [B, 1, D] -> logits [B, 1, V].
@@ -1151,7 +1165,8 @@ TORCH_LIBRARY(edge0, m) {
       "float post_eps, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, Tensor[] o_proj, "
       "float[] lora_scale, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] n, int heads, int kv_heads, "
-      "int head_dim, float scale, int lanes, int[] layout, int isa) -> Tensor[]");
+      "int head_dim, float scale, int lanes, int[] layout, int isa, bool output_gate=False, "
+      "bool zero_centred=False) -> Tensor[]");
   m.def(
       "delta_rows(Tensor h, Tensor[] qkv_proj, Tensor[] z_proj, Tensor[] b_proj, Tensor[] a_proj, "
       "Tensor[] out_proj, float[] lora_scale, Tensor conv, Tensor dt_bias, Tensor A_log, "

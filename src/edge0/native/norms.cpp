@@ -17,13 +17,17 @@
 namespace edge0 {
 
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n,
-                   float eps, int64_t lanes, bool bf16) {
+                   float eps, int64_t lanes, bool bf16, bool zero_centred) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float* yr = out + r * n;
     const float sum = inner_sum(n, lanes, [xr](int64_t i) { return xr[i] * xr[i]; });
     const float mean = sum / static_cast<float>(n);
     const float inv = 1.0f / std::sqrt(mean + eps);
+    if (zero_centred) {
+      for (int64_t d = 0; d < n; ++d) yr[d] = round_to((xr[d] * inv) * (1.0f + w[d]), bf16);
+      continue;
+    }
     for (int64_t d = 0; d < n; ++d) {
       const float y = round_to(xr[d] * inv, bf16);
       yr[d] = round_to(w[d] * y, bf16);
@@ -32,6 +36,11 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes) {
+  return rms_norm_as(x, weight, eps, lanes, false);
+}
+
+at::Tensor rms_norm_as(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes,
+                       bool zero_centred) {
   RECORD_FUNCTION("edge0::rms_norm", std::vector<c10::IValue>());  // its own row in a profile
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
@@ -43,7 +52,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
   const at::Tensor xf = floats(x), wf = floats(weight);
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   rms_norm_rows(xf.data_ptr<float>(), wf.data_ptr<float>(), out.data_ptr<float>(), rows, n,
-                static_cast<float>(eps), lanes, dtype == at::kBFloat16);
+                static_cast<float>(eps), lanes, dtype == at::kBFloat16, zero_centred);
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 

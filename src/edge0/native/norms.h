@@ -168,10 +168,14 @@ void outer_sum(int64_t k, int64_t d, int64_t lanes, F f, float* out) {
 // RMSNorm computes it with ATen's ops: in fp32, the same rounding at every step and the mean's
 // sum in ATen's order; with `bf16` (x, w and out hold bf16 values) the normalised rows and the
 // product rounded to bf16, as the module's casts round them. x and out may be the same.
+// With `zero_centred`, layers.py ZeroCenteredRMSNorm instead: (x * rsqrt(mean(x^2) + eps))
+// * (1 + w) in fp32, rounded once.
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n,
-                   float eps, int64_t lanes, bool bf16);
+                   float eps, int64_t lanes, bool bf16, bool zero_centred = false);
 
 // The same on an fp32 or bf16 tensor (weight of its dtype) -> a new tensor of its shape.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes);
+at::Tensor rms_norm_as(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes,
+                       bool zero_centred);
 
 }  // namespace edge0

@@ -25,7 +25,6 @@ from torch import nn
 
 from edge0 import native
 from edge0.engine.backends.native_layers import MoeTail, layer_ops, projection, sum_lanes
-from edge0.engine.backends.native_layers import servable as attention_servable
 from edge0.models.blocks import DecoderLayer
 from edge0.models.layers import GatedRMSNorm, KVCache, RowCaches
 from edge0.models.qwen3_5_moe import GatedDeltaNet
@@ -89,19 +88,6 @@ class NativeDelta:
         return second_half(layer, self.tail, x + y, fwd)
 
 
-class ModuleMixer:
-    """A decoder layer whose mixer no op takes (Qwen3.5's gated attention, say) at decode: the
-    mixer as the module computes it, then one row's MoE half through the ops (MoeTail)."""
-
-    def __init__(self, layer: DecoderLayer, tail: MoeTail):
-        self.layer, self.tail = layer, tail
-
-    def __call__(self, x: torch.Tensor, rope, fwd) -> torch.Tensor:
-        layer = self.layer
-        x = x + layer.mixer(layer.input_layernorm(x), rope, fwd.cache)
-        return second_half(layer, self.tail, x, fwd)
-
-
 def second_half(layer: DecoderLayer, tail: MoeTail, x: torch.Tensor, fwd) -> torch.Tensor:
     """DecoderLayer.forward after its mixer's residual: x + mlp(post_norm(x)), through the
     tail where x is one row of one token, else as the layer computes it."""
@@ -113,20 +99,15 @@ def second_half(layer: DecoderLayer, tail: MoeTail, x: torch.Tensor, fwd) -> tor
 
 
 def delta_layers(model: nn.Module, cache_dir: Path | None = None, int8: bool = False) -> dict:
-    """The stand-in for every Gated DeltaNet layer the op serves, by layer index, and in a
-    model with any, for each other MoE layer the attention op does not take (a ModuleMixer:
-    a hybrid's full-attention layers); none where the float sums' order could not be matched
-    here (see sum_lanes)."""
-    hybrid = any(servable(layer) for layer in model.backbone.layers)
+    """The stand-in for every Gated DeltaNet layer the op serves, by layer index (none where
+    the float sums' order could not be matched here: see sum_lanes). A hybrid's attention
+    layers are native_layers.py's."""
     lanes = sum_lanes(cache_dir)
     if lanes is None:
         return {}
     op, ops = native.op("delta_rows", cache_dir), layer_ops(cache_dir)
-    layers = {}
-    for i, layer in enumerate(model.backbone.layers):
-        if servable(layer):
-            layers[i] = NativeDelta(layer, op, MoeTail(layer, ops, lanes), lanes, int8)
-        elif hybrid and type(layer) is DecoderLayer and layer.is_moe:
-            if not attention_servable(layer):
-                layers[i] = ModuleMixer(layer, MoeTail(layer, ops, lanes))
-    return layers
+    return {
+        i: NativeDelta(layer, op, MoeTail(layer, ops, lanes), lanes, int8)
+        for i, layer in enumerate(model.backbone.layers)
+        if servable(layer)
+    }

@@ -9,11 +9,12 @@ its experts as its own forward does, with the call's hooks (`MoEBlock.parts`; it
 routing through `torch.ops.edge0.router_topk` or `softmax_topk`), and
 `torch.ops.edge0.moe_combine` adds the weighted experts, the shared expert and the residual
 as the module path adds them; a dense MLP runs as the module's own. Served: RMSNorm layer
-norms, fp32 or bf16, and layers.py Attention with projections that are Int4Linear or a
-float nn.Linear (either under an enabled or disabled LoraLinear), q/k RMSNorm per head or
-none, full rotary. A layer with anything else (q/k norm over the whole projection or another norm,
-clipping, an output gate, a sliding window, partial rotary, biases) is not served, and
-neither is a forward of several tokens of one sequence: those take the module's own forward.
+norms (or ZeroCenteredRMSNorm ones, Qwen3.5's, with q/k norms of that kind), fp32 or bf16,
+and layers.py Attention with projections that are Int4Linear or a float nn.Linear (either
+under an enabled or disabled LoraLinear), q/k norms per head or none, full or partial rotary,
+with or without Qwen3.5's output gate. A layer with anything else (q/k norm over the whole
+projection or another norm, clipping, a sliding window, biases) is not served, and neither
+is a forward of several tokens of one sequence: those take the module's own forward.
 
 A batched decode step's rows (models/base.py RowsForward: a token of each of B requests, each
 with its own cache and position) go through the same op, each row's attention over its own
@@ -43,7 +44,7 @@ from torch import nn
 from edge0 import native
 from edge0.models.blocks import DecoderLayer, MoEBlock
 from edge0.models.int4 import Int4Linear
-from edge0.models.layers import Attention, KVCache, RMSNorm, RowCaches
+from edge0.models.layers import Attention, KVCache, RMSNorm, RowCaches, ZeroCenteredRMSNorm
 from edge0.models.lora import LoraLinear
 from edge0.models.routing import SoftmaxTopK
 
@@ -103,18 +104,18 @@ def servable(layer: nn.Module) -> bool:
     the module docstring)."""
     if not isinstance(layer, DecoderLayer):
         return False
-    if not (
-        type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+    norm = type(layer.input_layernorm)  # RMSNorm, or ZeroCenteredRMSNorm for every norm
+    if (
+        norm not in (RMSNorm, ZeroCenteredRMSNorm)
+        or type(layer.post_attention_layernorm) is not norm
     ):
         return False
     attn = layer.mixer
-    if type(attn) is not Attention or attn.clip is not None or attn.output_gate:
+    if type(attn) is not Attention or attn.clip is not None:
         return False
     if attn.window is not None or attn.qk_norm not in (None, "head"):
         return False
-    if attn.qk_norm == "head" and not (
-        type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm
-    ):
+    if attn.qk_norm == "head" and not (type(attn.q_norm) is norm and type(attn.k_norm) is norm):
         return False
     projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
     return all(projection(m) is not None for m in projections)
@@ -194,6 +195,7 @@ class NativeLayer:
         self.rows_kernel = (self.layout, self.isa) if int8 else native.kernel_args(False)
         a = self.mixer = layer.mixer
         self.eps = a.q_norm.eps if a.qk_norm == "head" else 0.0
+        self.zero_centred = type(layer.input_layernorm) is ZeroCenteredRMSNorm
         self._key, self._args = None, None
 
     def _static(self) -> tuple[torch.dtype, tuple, tuple, tuple] | None:
@@ -220,7 +222,8 @@ class NativeLayer:
                 head = (pre.weight, pre.eps, post.weight, post.eps, *[p[0] for p in parts])
                 head += ([p[1] for p in parts], *qk, self.eps)
                 tail = (a.heads, a.kv_heads, a.head_dim, a.head_dim**-0.5, self.lanes)
-                one, rows = (*tail, self.layout, self.isa), (*tail, *self.rows_kernel)
+                kind = (a.output_gate, self.zero_centred)
+                one, rows = (*tail, self.layout, self.isa, *kind), (*tail, *self.rows_kernel, *kind)
                 self._args = pre.weight.dtype, head, one, rows
         return self._args
 
@@ -232,7 +235,7 @@ class NativeLayer:
             args is None
             or x.dtype != args[0]
             or x.dtype not in (torch.float32, torch.bfloat16)
-            or cos.shape[-1] != a.head_dim
+            or cos.shape[-1] > a.head_dim
             or cos.dtype != x.dtype
         ):
             return self.layer(x, rope, fwd)

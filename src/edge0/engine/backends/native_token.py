@@ -74,8 +74,13 @@ class NativeToken:
             return False
         # full rotary of one head size: the rotary row of a token is every layer's
         head_dims = {s.mixer.head_dim for s in stand_ins}
-        return head_dims == {model.rotary.rotary_dim} and all(
-            s.is_moe and s.route is not None and s.mlp.shared_name is None for s in stand_ins
+        plain = all(not (s.mixer.output_gate or s.zero_centred) for s in stand_ins)
+        return (
+            plain
+            and head_dims == {model.rotary.rotary_dim}
+            and all(
+                s.is_moe and s.route is not None and s.mlp.shared_name is None for s in stand_ins
+            )
         )
 
     def _built(self, dtype: torch.dtype):
