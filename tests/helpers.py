@@ -210,3 +210,21 @@ EVERY_ACTIVATION = pytest.mark.parametrize(
     [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.float32, "int8")],
     ids=["fp32", "bf16", "int8"],
 )
+
+
+def decode_logits(path, backend: str, dtype=torch.float32) -> tuple[torch.Tensor, dict[int, str]]:
+    """Greedy prefill and 10 decode steps' logits on `backend` (with the exact option's bf16
+    activations), and the kind of stand-in the backend gave each layer it serves."""
+    from edge0.engine.load import load_engine
+    from edge0.engine.options import EngineOptions
+
+    opts = EngineOptions(io_mode="buffered", backend=backend, dtype=dtype, int4_activations="bf16")
+    engine = load_engine(path, opts)
+    try:
+        with engine.new_request() as req:
+            logits = [engine.prefill(req, engine.tokenizer.encode("def f(x):"))]
+            for _ in range(10):
+                logits.append(engine.step(req, int(logits[-1].argmax())))
+        return torch.stack(logits), {i: type(s).__name__ for i, s in engine.layers.items()}
+    finally:
+        engine.close()

@@ -15,8 +15,6 @@ from edge0 import native
 from edge0.convert import convert
 from edge0.engine.backends.native_delta import NativeDelta, servable
 from edge0.engine.backends.native_layers import MoeTail, layer_ops, sum_lanes
-from edge0.engine.load import load_engine
-from edge0.engine.options import EngineOptions
 from edge0.formats.int4_layout import host_layout
 from edge0.models.base import Forward
 from edge0.models.blocks import DecoderLayer
@@ -24,6 +22,7 @@ from edge0.models.int4 import Int4Linear, quantize
 from edge0.models.layers import MLP, KVCache, RowCaches, ZeroCenteredRMSNorm
 from edge0.models.lora import LoraLinear
 from edge0.models.qwen3_5_moe import Config, GatedDeltaNet
+from helpers import decode_logits
 
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
@@ -180,29 +179,13 @@ def qwen35(tmp_path_factory) -> Path:
     return root / "e0"
 
 
-def decode(path: Path, backend: str, dtype: torch.dtype, activations: str = "bf16"):
-    opts = EngineOptions(
-        io_mode="buffered", backend=backend, dtype=dtype, int4_activations=activations
-    )
-    engine = load_engine(path, opts)
-    try:
-        with engine.new_request() as req:
-            logits = [engine.prefill(req, engine.tokenizer.encode("def f(x):"))]
-            for _ in range(10):
-                logits.append(engine.step(req, int(logits[-1].argmax())))
-        kinds = {i: type(s).__name__ for i, s in engine.layers.items()}
-        return torch.stack(logits), kinds
-    finally:
-        engine.close()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_engine_decodes_qwen35_through_the_op_as_the_torch_path_does(qwen35, dtype):
     """Qwen3.5's linear-attention layers (0 and 2 of 4) decode through the op, its gated
     attention layers through the attention op (output gate, partial rotary, zero-centred
     norms); the logits of ten greedy steps are the pure-PyTorch backend's, bit for bit."""
-    fused, served = decode(qwen35, "native", dtype)
-    reference, none = decode(qwen35, "torch", dtype)
+    fused, served = decode_logits(qwen35, "native", dtype)
+    reference, none = decode_logits(qwen35, "torch", dtype)
     assert served == {0: "NativeDelta", 1: "NativeLayer", 2: "NativeDelta", 3: "NativeLayer"}
     assert none == {}
     assert torch.equal(fused, reference)
