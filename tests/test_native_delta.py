@@ -1,25 +1,26 @@
-"""A Gated DeltaNet layer's decode token through the native op (edge0::delta_rows with
-engine/backends/native_delta.py): the module's bits in fp32 and bf16, at the real model's head
-sizes, with int4 and float projections under LoRA adapters; a batched step's rows each their
-own step's bits; the engine's Qwen3.5 decode through it equal to the pure-PyTorch path."""
+"""Linear-attention layers' decode token through the native ops (edge0::delta_rows for
+Gated DeltaNet, edge0::kda_rows for Kimi Delta Attention, engine/backends/native_delta.py):
+the module's bits in fp32 and bf16, at real head sizes, with int4 and float projections under
+LoRA adapters; a batched step's rows each their own step's bits; the engine's Qwen3.5 and Ling
+decode through them equal to the pure-PyTorch path."""
 
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 
 from edge0 import native
 from edge0.convert import convert
-from edge0.engine.backends.native_delta import NativeDelta, servable
+from edge0.engine.backends.native_delta import NativeDelta, NativeKda
 from edge0.engine.backends.native_layers import MoeTail, layer_ops, sum_lanes
 from edge0.formats.int4_layout import host_layout
+from edge0.models import bailing_hybrid
 from edge0.models.base import Forward
 from edge0.models.blocks import DecoderLayer
 from edge0.models.int4 import Int4Linear, quantize
-from edge0.models.layers import MLP, KVCache, RowCaches, ZeroCenteredRMSNorm
+from edge0.models.layers import MLP, KVCache, RMSNorm, RowCaches, ZeroCenteredRMSNorm
 from edge0.models.lora import LoraLinear
 from edge0.models.qwen3_5_moe import Config, GatedDeltaNet
 from helpers import decode_logits
@@ -27,14 +28,50 @@ from helpers import decode_logits
 pytestmark = pytest.mark.int4  # `make test` repeats these under every CPU kernel
 
 # Qwen3.5-35B-A3B's linear-attention head sizes (2 of its 16 key heads, 4 of its 32 value
-# heads): the delta rule's sums run down 128 rows, through every level of ATen's cascade
+# heads; KDA: 2 heads of 128): the delta rule's sums run down 128 rows, through every level
+# of ATen's cascade
 HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM = 256, 2, 4, 128
+
+
+class Weights:
+    """Random weights for a test layer, from one seed: int4 projections, LoRA adapters with
+    both matrices non-zero."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def randn(self, shape, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=self.gen) * scale
+
+    def fill(self, module: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(self.randn(p.shape, 0.3))
+
+    def int4(self, linear: torch.nn.Linear) -> Int4Linear:
+        w = self.randn(linear.weight.shape, linear.in_features**-0.5)
+        return Int4Linear(*quantize(w), host_layout())
+
+    def adapted(self, base: torch.nn.Module) -> LoraLinear:
+        lora = LoraLinear(base, r=8, alpha=16)
+        with torch.no_grad():
+            lora.lora_A.copy_(self.randn(lora.lora_A.shape, 0.1))
+            lora.lora_B.copy_(self.randn(lora.lora_B.shape, 0.1))
+        return lora
+
+    def layer(self, mixer: torch.nn.Module, norm, dtype: torch.dtype) -> DecoderLayer:
+        """`mixer` in a decoder layer with a dense MLP and random norms."""
+        layer = DecoderLayer(("linear_attn", mixer), ("mlp", MLP(HIDDEN, 128)), norm)
+        with torch.no_grad():
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                getattr(layer, name).weight.copy_(self.randn(HIDDEN, 0.1))
+        return layer.to(dtype)
 
 
 def delta_layer(dtype: torch.dtype, seed: int = 0) -> DecoderLayer:
     """A Gated DeltaNet decoder layer with random weights: q|k|v, z and the output projection
     int4 (q|k|v and the output under enabled adapters), b and a float, b under an adapter."""
-    gen = torch.Generator().manual_seed(seed)
+    w = Weights(seed)
     cfg = Config(
         vocab_size=64,
         hidden_size=HIDDEN,
@@ -51,52 +88,78 @@ def delta_layer(dtype: torch.dtype, seed: int = 0) -> DecoderLayer:
         linear_value_head_dim=HEAD_DIM,
     )
     mixer = GatedDeltaNet(cfg, 0)
+    w.fill(mixer)
     with torch.no_grad():
-        for p in mixer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        mixer.A_log.copy_(torch.rand(VALUE_HEADS, generator=gen).log())
-        mixer.norm.weight.copy_(1 + 0.1 * torch.randn(HEAD_DIM, generator=gen))
+        mixer.A_log.copy_(torch.rand(VALUE_HEADS, generator=w.gen).log())
+        mixer.norm.weight.copy_(1 + w.randn(HEAD_DIM, 0.1))
+    mixer.in_proj_qkv = w.adapted(w.int4(mixer.in_proj_qkv))
+    mixer.in_proj_z = w.int4(mixer.in_proj_z)
+    mixer.out_proj = w.adapted(w.int4(mixer.out_proj))
+    mixer.in_proj_b = w.adapted(mixer.in_proj_b)
+    return w.layer(mixer, partial(ZeroCenteredRMSNorm, HIDDEN, 1e-6), dtype)
 
-    def int4(linear):
-        w = torch.randn(linear.weight.shape, generator=gen) * linear.in_features**-0.5
-        return Int4Linear(*quantize(w), host_layout())
 
-    def adapted(base):
-        lora = LoraLinear(base, r=8, alpha=16)
-        with torch.no_grad():
-            lora.lora_A.copy_(torch.randn(lora.lora_A.shape, generator=gen) * 0.1)
-            lora.lora_B.copy_(torch.randn(lora.lora_B.shape, generator=gen) * 0.1)
-        return lora
-
-    mixer.in_proj_qkv = adapted(int4(mixer.in_proj_qkv))
-    mixer.in_proj_z = int4(mixer.in_proj_z)
-    mixer.out_proj = adapted(int4(mixer.out_proj))
-    mixer.in_proj_b = adapted(mixer.in_proj_b)
-    norm = partial(ZeroCenteredRMSNorm, HIDDEN, 1e-6)
-    layer = DecoderLayer(("linear_attn", mixer), ("mlp", MLP(HIDDEN, 128)), norm)
+def kda_layer(dtype: torch.dtype, seed: int = 0, safe_gate: bool = True) -> DecoderLayer:
+    """A Kimi Delta Attention decoder layer (Ling's) with random weights: q, k, v, f, g and
+    the output projection int4 (q and the output under adapters), b float under an adapter."""
+    w = Weights(seed)
+    cfg = bailing_hybrid.Config(
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=KEY_HEADS,
+        num_experts=4,
+        num_experts_per_tok=2,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        linear_head_dim=HEAD_DIM,
+        kda_safe_gate=safe_gate,
+    )
+    mixer = bailing_hybrid.KimiDeltaAttention(cfg, 0)
+    w.fill(mixer)
     with torch.no_grad():
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            getattr(layer, name).weight.copy_(0.1 * torch.randn(HIDDEN, generator=gen))
-    return layer.to(dtype)
+        mixer.A_log.copy_(torch.rand(KEY_HEADS, generator=w.gen).log())
+        mixer.o_norm.weight.copy_(1 + w.randn(HEAD_DIM, 0.1))
+    for name in ("k_proj", "v_proj", "f_proj", "g_proj"):
+        setattr(mixer, name, w.int4(getattr(mixer, name)))
+    mixer.q_proj = w.adapted(w.int4(mixer.q_proj))
+    mixer.dense = w.adapted(w.int4(mixer.dense))
+    mixer.b_proj = w.adapted(mixer.b_proj)
+    return w.layer(mixer, partial(RMSNorm, HIDDEN, 1e-6), dtype)
 
 
-def stand_in(layer: DecoderLayer, int8: bool = False) -> NativeDelta:
+LAYERS = {
+    "gated-deltanet": (delta_layer, NativeDelta, "delta_rows"),
+    "kda": (kda_layer, NativeKda, "kda_rows"),
+    "kda-unsafe-gate": (partial(kda_layer, safe_gate=False), NativeKda, "kda_rows"),
+}
+
+
+def stand_in(layer: DecoderLayer, int8: bool = False, kind: str = "gated-deltanet"):
+    _, cls, op = LAYERS[kind]
     lanes = sum_lanes()
     tail = MoeTail(layer, layer_ops(), lanes)
-    return NativeDelta(layer, native.op("delta_rows"), tail, lanes, int8=int8)
+    return cls(layer, native.op(op), tail, lanes, int8=int8)
 
 
 def new_cache(layer: DecoderLayer, dtype: torch.dtype) -> KVCache:
     return KVCache([layer.mixer.cache_spec()], 64, dtype)
 
 
+@pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_op_is_the_modules_step_bit_for_bit(dtype):
+def test_the_op_is_the_modules_step_bit_for_bit(dtype, kind):
     """Twelve tokens from a fresh state, each through the module and through the op on their
-    own caches: every output, conv window and delta-rule state equal, bit for bit."""
-    layer = delta_layer(dtype)
-    assert servable(layer)
-    native_layer = stand_in(layer)
+    own caches: every output, conv window and delta-rule state equal, bit for bit (Gated
+    DeltaNet; KDA with either decay)."""
+    make, cls, _ = LAYERS[kind]
+    layer = make(dtype)
+    assert cls.servable(layer)
+    native_layer = stand_in(layer, kind=kind)
     ours, theirs = new_cache(layer, dtype), new_cache(layer, dtype)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -108,7 +171,7 @@ def test_the_op_is_the_modules_step_bit_for_bit(dtype):
             for a, b in zip(ours.state(0), theirs.state(0), strict=True):
                 assert torch.equal(a, b)
     assert ours.length == theirs.length == [12]
-    assert ours.state(0)[1].abs().max() > 0.1  # the state carries something to get wrong
+    assert ours.state(0)[1].abs().max() > 0.01  # the state carries something to get wrong
 
 
 def test_int8_activations_stay_within_their_stated_error():
@@ -169,23 +232,33 @@ def test_a_prompt_of_several_tokens_takes_the_modules_forward():
     assert ours.length == [5]
 
 
-@pytest.fixture(scope="module")
-def qwen35(tmp_path_factory) -> Path:
-    from test_families import make_checkpoint
-
-    root = tmp_path_factory.mktemp("q35native")
-    make_checkpoint(root / "hf", "qwen3_5_moe")
-    convert(root / "hf", root / "e0", progress=False)
-    return root / "e0"
+HYBRIDS = {
+    # family, checkpoint options, the stand-in each of its 4 layers gets
+    "qwen3.5": ("qwen3_5_moe", {}, ["NativeDelta", "NativeLayer", "NativeDelta", "NativeLayer"]),
+    # Ling: KDA layers 0 and 2, MLA (the module's own) at 1 and 3
+    "ling": ("bailing_hybrid", {}, ["NativeKda", None, "NativeKda", None]),
+    "ling-unsafe-gate": ("bailing_hybrid", dict(kda_safe_gate=False), ["NativeKda", None] * 2),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_engine_decodes_qwen35_through_the_op_as_the_torch_path_does(qwen35, dtype):
-    """Qwen3.5's linear-attention layers (0 and 2 of 4) decode through the op, its gated
-    attention layers through the attention op (output gate, partial rotary, zero-centred
-    norms); the logits of ten greedy steps are the pure-PyTorch backend's, bit for bit."""
-    fused, served = decode_logits(qwen35, "native", dtype)
-    reference, none = decode_logits(qwen35, "torch", dtype)
-    assert served == {0: "NativeDelta", 1: "NativeLayer", 2: "NativeDelta", 3: "NativeLayer"}
+@pytest.mark.parametrize("hybrid", list(HYBRIDS))
+def test_the_engine_decodes_a_hybrid_through_the_ops_as_the_torch_path_does(
+    tmp_path_factory, hybrid, dtype
+):
+    """Qwen3.5's Gated DeltaNet layers decode through delta_rows and its gated attention
+    through the attention op (output gate, partial rotary, zero-centred norms); Ling's KDA
+    layers through kda_rows. The logits of ten greedy steps are the pure-PyTorch backend's,
+    bit for bit."""
+    from test_families import make_checkpoint
+
+    family, kw, kinds = HYBRIDS[hybrid]
+    root = tmp_path_factory.getbasetemp() / f"hybrid-{hybrid}"
+    if not (root / "e0").exists():
+        make_checkpoint(root / "hf", family, **kw)
+        convert(root / "hf", root / "e0", progress=False)
+    fused, served = decode_logits(root / "e0", "native", dtype)
+    reference, none = decode_logits(root / "e0", "torch", dtype)
+    assert served == {i: k for i, k in enumerate(kinds) if k is not None}
     assert none == {}
     assert torch.equal(fused, reference)

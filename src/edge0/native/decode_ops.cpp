@@ -369,13 +369,14 @@ std::vector<at::Tensor> attention_rows(
 #endif
 
 // One value head's gated delta rule at one token, its state s [Dk, Dv] advanced in place and
-// its output o [Dv], with q and k normalised: the state decays along its key rows as S^T k
-// sums them (ks); u = beta * (v - ks); then each row takes its update k_i u as S^T q sums it.
-// Two passes over the state, the sums in ATen's cascaded order (norms.h cascade_rows): for Dv
-// a multiple of 4 vectors of ATen's lanes.
+// its output o [Dv], with q and k normalised: key row i decays by e[i * e_step] (one decay a
+// head: e_step 0; one a key channel: 1) as S^T k sums the rows (ks); u = beta * (v - ks);
+// then each row takes its update k_i u as S^T q sums it. Two passes over the state, the sums
+// in ATen's cascaded order (norms.h cascade_rows): for Dv a multiple of 4 vectors of ATen's
+// lanes.
 EDGE0_VECTOR_LOOPS void delta_head(const float* q, const float* k, const float* v, float* s,
-                                   float* o, float e, float beta, int64_t dk, int64_t dv,
-                                   float* u, float* levels) {
+                                   float* o, const float* e, int64_t e_step, float beta,
+                                   int64_t dk, int64_t dv, float* u, float* levels) {
   // norms.h cascade_rows written out: a function built for other vectors cannot inline it
   const int64_t power = std::max<int64_t>(4, edge0::sums::ceil_log2(dk) / edge0::sums::kLevels);
   const int64_t mask = (int64_t(1) << power) - 1;
@@ -405,10 +406,10 @@ EDGE0_VECTOR_LOOPS void delta_head(const float* q, const float* k, const float* 
   float* a0 = acc[0];
   for (int64_t i = 0; i < dk; ++i) {
     float* row = s + i * dv;
-    const float ki = k[i];
+    const float ki = k[i], ei = e[i * e_step];
 #pragma GCC ivdep
     for (int64_t c = 0; c < dv; ++c) {
-      const float decayed = row[c] * e;
+      const float decayed = row[c] * ei;
       row[c] = decayed;
       a0[c] = a0[c] + ki * decayed;
     }
@@ -431,6 +432,141 @@ EDGE0_VECTOR_LOOPS void delta_head(const float* q, const float* k, const float* 
   finish(o);
 }
 
+// The linear-attention layers' shared parts at one token of one row (delta_rule.py
+// causal_conv and gated_delta with `recurrent`, layers.py GatedRMSNorm), each rounding where
+// the module's ops round.
+namespace linear {
+
+void check_state(at::TensorList windows, at::TensorList states, int64_t rows, at::ScalarType dtype,
+                 int64_t channels, int64_t w, int64_t cells) {
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == rows &&
+                  static_cast<int64_t>(states.size()) == rows,
+              "one conv window and one state per row");
+  for (int64_t b = 0; b < rows; ++b) {
+    TORCH_CHECK(windows[b].is_contiguous() && windows[b].scalar_type() == dtype &&
+                    windows[b].numel() == channels * (w - 1),
+                "row ", b, ": the conv window must be contiguous [1, C, W-1] in h's dtype");
+    TORCH_CHECK(states[b].is_contiguous() && states[b].scalar_type() == at::kFloat &&
+                    states[b].numel() == cells,
+                "row ", b, ": the state must be contiguous fp32 [1, H, Dk, Dv]");
+  }
+}
+
+// causal_conv then SiLU on one row's projected channels x (floats of h's dtype) with the
+// taps [C, W] in h's dtype: its window [1, C, W-1] moves on by the row; -> the [q|k|v] floats.
+at::Tensor conv(const float* xp, at::Tensor window, const at::Tensor& taps, int64_t channels,
+                at::ScalarType dtype) {
+  RECORD_FUNCTION("edge0::causal_conv", std::vector<c10::IValue>());
+  const bool bf16 = dtype == at::kBFloat16;
+  const int64_t w = taps.size(1);
+  const at::Tensor old = floats(window);
+  const float* wp = old.data_ptr<float>();
+  const float* tp = taps.data_ptr<float>();
+  const auto options = window.options().dtype(at::kFloat);
+  at::Tensor mixed = at::empty({1, channels, 1}, options);
+  at::Tensor next = at::empty({1, channels, w - 1}, options);
+  float* mp = mixed.data_ptr<float>();
+  float* np = next.data_ptr<float>();
+  for (int64_t c = 0; c < channels; ++c) {
+    const float* prev = wp + c * (w - 1);
+    auto at_tap = [&](int64_t i) { return i < w - 1 ? prev[i] : xp[c]; };
+    // Python's sum(): 0 + the first product, then each product added
+    float acc = edge0::round_to(0.0f + edge0::round_to(tp[c * w] * at_tap(0), bf16), bf16);
+    for (int64_t i = 1; i < w; ++i)
+      acc = edge0::round_to(acc + edge0::round_to(tp[c * w + i] * at_tap(i), bf16), bf16);
+    mp[c] = acc;
+    for (int64_t i = 0; i < w - 1; ++i) np[c * (w - 1) + i] = at_tap(i + 1);
+  }
+  window.copy_(next);
+  return floats(at::silu(bf16 ? mixed.to(dtype) : mixed));
+}
+
+// gated_delta's l2norm and `recurrent` for every value head of one row: y holds [q|k|v]
+// (hk key heads of dk, hv value heads of dv; `rep` = hv / hk value heads a key head), decay
+// the per-head (e_step 0) or per-key-channel (e_step 1) factors exp(g), beta per head; the
+// row's state [hv, dk, dv] advances in place -> out [hv, dv] (fp32).
+void rule(const float* y, int64_t hk, int64_t hv, int64_t dk, int64_t dv, const float* decay,
+          int64_t e_step, const float* beta, float* state, float* out, int64_t lanes) {
+  RECORD_FUNCTION("edge0::delta_rule", std::vector<c10::IValue>());
+  const int64_t kd = hk * dk, rep = hv / hk;
+  const float step_scale = static_cast<float>(std::pow(static_cast<double>(dk), -0.5));
+  // every column in ATen's cascaded vectors (outer_sum): the passes can be fused
+  const bool fused = dv % (4 * lanes) == 0;
+  at::parallel_for(0, hv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> q(dk), k(dk), u(dv), ks(dv), levels(edge0::sums::kLevels * dv);
+    for (int64_t head = lo; head < hi; ++head) {
+      const int64_t key = head / rep;  // repeat_interleave: `rep` value heads a key head
+      const float* q0 = y + key * dk;
+      const float* k0 = y + kd + key * dk;
+      const float* v0 = y + 2 * kd + head * dv;
+      // l2norm: x * rsqrt(sum(x * x) + 1e-6), q then times Dk^-0.5
+      const float qs = edge0::inner_sum(dk, lanes, [&](int64_t i) { return q0[i] * q0[i]; });
+      const float ksum = edge0::inner_sum(dk, lanes, [&](int64_t i) { return k0[i] * k0[i]; });
+      const float qinv = 1.0f / std::sqrt(qs + 1e-6f);
+      const float kinv = 1.0f / std::sqrt(ksum + 1e-6f);
+      for (int64_t i = 0; i < dk; ++i) {
+        q[i] = (q0[i] * qinv) * step_scale;
+        k[i] = k0[i] * kinv;
+      }
+      float* s = state + head * dk * dv;
+      float* o = out + head * dv;
+      const float* e = decay + head * (e_step ? dk : 1);
+      const float bh = beta[head];
+      if (fused) {
+        delta_head(q.data(), k.data(), v0, s, o, e, e_step, bh, dk, dv, u.data(),
+                   levels.data());
+        continue;
+      }
+      // the module's passes one by one (columns that do not fill ATen's vectors)
+      for (int64_t i = 0; i < dk; ++i)
+        for (int64_t c = 0; c < dv; ++c) s[i * dv + c] = s[i * dv + c] * e[i * e_step];
+      edge0::outer_sum(
+          dk, dv, lanes, [&](int64_t i, int64_t c) { return k[i] * s[i * dv + c]; },
+          ks.data());
+      for (int64_t c = 0; c < dv; ++c) u[c] = bh * (v0[c] - ks[c]);
+      for (int64_t i = 0; i < dk; ++i) {
+        float* row = s + i * dv;
+        const float ki = k[i];
+#pragma GCC ivdep
+        for (int64_t c = 0; c < dv; ++c) row[c] = row[c] + ki * u[c];
+      }
+      edge0::outer_sum(
+          dk, dv, lanes, [&](int64_t i, int64_t c) { return q[i] * s[i * dv + c]; }, o);
+    }
+  });
+}
+
+// The output (fp32 [hv, dv]) in h's dtype, then GatedRMSNorm in fp32: w * (x * rsqrt(mean(x^2)
+// + eps)) * act(gate) (`gate`: act already applied, fp32 [hv * dv]), rounded to h's dtype.
+at::Tensor norm(at::Tensor out, const at::Tensor& gate, const at::Tensor& weight, double eps,
+                int64_t lanes, at::ScalarType dtype) {
+  const bool bf16 = dtype == at::kBFloat16;
+  const int64_t hv = out.size(0), dv = out.size(1);
+  float* op = out.data_ptr<float>();
+  const float* zp = gate.data_ptr<float>();
+  const float* nw = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for (int64_t head = 0; head < hv; ++head) {
+    float* o = op + head * dv;
+    for (int64_t c = 0; c < dv; ++c) o[c] = edge0::round_to(o[c], bf16);
+    const float sum = edge0::inner_sum(dv, lanes, [&](int64_t c) { return o[c] * o[c]; });
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dv) + e);
+    for (int64_t c = 0; c < dv; ++c)
+      o[c] = edge0::round_to((nw[c] * (o[c] * inv)) * zp[head * dv + c], bf16);
+  }
+  return (bf16 ? out.to(dtype) : out).view({1, 1, hv * dv});
+}
+
+void check_rows(const at::Tensor& h, int64_t lanes) {
+  const auto dtype = h.scalar_type();
+  TORCH_CHECK(h.dim() == 3 && h.size(0) >= 1 && h.size(1) == 1 &&
+                  (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "h must be fp32 or bf16 [B, 1, D]");
+  TORCH_CHECK(lanes >= 1 && lanes <= edge0::kMaxLanes, "lanes must be 1 to ", edge0::kMaxLanes);
+}
+
+}  // namespace linear
+
 // edge0::delta_rows: models/qwen3_5_moe.py GatedDeltaNet.forward (Gated DeltaNet's linear
 // attention) for one decode token of each of B sequences, h [B, 1, D] (the layer's normed
 // input) -> [B, 1, D], advancing each row's state in place: its conv window [1, C, W-1] (in
@@ -449,30 +585,15 @@ at::Tensor delta_rows(const at::Tensor& h, at::TensorList qkv_proj, at::TensorLi
                       double norm_eps, at::TensorList windows, at::TensorList states,
                       int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim,
                       int64_t lanes, at::IntArrayRef layout, int64_t isa) {
+  linear::check_rows(h, lanes);
   const auto dtype = h.scalar_type();
-  const bool bf16 = dtype == at::kBFloat16;
-  TORCH_CHECK(h.dim() == 3 && h.size(0) >= 1 && h.size(1) == 1 && (bf16 || dtype == at::kFloat),
-              "h must be fp32 or bf16 [B, 1, D]");
   const int64_t rows = h.size(0), hk = key_heads, hv = value_heads, dk = key_dim, dv = value_dim;
   TORCH_CHECK(hk >= 1 && hv % hk == 0, "value heads must be a multiple of key heads");
-  TORCH_CHECK(lanes >= 1 && lanes <= edge0::kMaxLanes, "lanes must be 1 to ", edge0::kMaxLanes);
   TORCH_CHECK(lora_scale.size() == 5, "one LoRA scale per projection");
-  const int64_t kd = hk * dk, vd = hv * dv, channels = 2 * kd + vd, rep = hv / hk;
-  TORCH_CHECK(conv.dim() == 3 && conv.size(0) == channels && conv.size(1) == 1,
+  const int64_t vd = hv * dv, channels = 2 * hk * dk + vd;
+  TORCH_CHECK(conv.dim() == 3 && conv.size(0) == channels && conv.size(1) == 1 && conv.size(2) >= 2,
               "conv must be [C, 1, W]");
-  const int64_t w = conv.size(2);
-  TORCH_CHECK(w >= 2, "the conv needs a window");
-  TORCH_CHECK(static_cast<int64_t>(windows.size()) == rows &&
-                  static_cast<int64_t>(states.size()) == rows,
-              "one conv window and one state per row");
-  for (int64_t b = 0; b < rows; ++b) {
-    TORCH_CHECK(windows[b].is_contiguous() && windows[b].scalar_type() == dtype &&
-                    windows[b].numel() == channels * (w - 1),
-                "row ", b, ": the conv window must be contiguous [1, C, W-1] in h's dtype");
-    TORCH_CHECK(states[b].is_contiguous() && states[b].scalar_type() == at::kFloat &&
-                    states[b].numel() == hv * dk * dv,
-                "row ", b, ": the state must be contiguous fp32 [1, Hv, Dk, Dv]");
-  }
+  linear::check_state(windows, states, rows, dtype, channels, conv.size(2), hv * dk * dv);
   TORCH_CHECK(norm.numel() == dv && dt_bias.numel() == hv && a_log.numel() == hv,
               "norm must be [Dv], dt_bias and A_log [Hv]");
   const auto ps = project(h, {qkv_proj, z_proj, b_proj, a_proj}, lora_scale.slice(0, 4), layout,
@@ -481,109 +602,81 @@ at::Tensor delta_rows(const at::Tensor& h, at::TensorList qkv_proj, at::TensorLi
                   ps[3].size(-1) == hv,
               "the projections' outputs must be [q|k|v], z, b and a");
   // the conv's taps in h's dtype, as causal_conv casts them
-  const at::Tensor taps = floats(conv.to(dtype));
+  const at::Tensor taps = floats(conv.to(dtype)).view({channels, -1});
   const at::Tensor normw = floats(norm);
   // -exp(A_log) * softplus(a + dt_bias), as the module's ops compute it
   const at::Tensor neg_a = at::neg(at::exp(a_log.to(at::kFloat)));
-  const float step_scale = static_cast<float>(std::pow(static_cast<double>(dk), -0.5));
   std::vector<at::Tensor> normed(rows);
   for (int64_t b = 0; b < rows; ++b) {
     const at::Tensor qkv = floats(ps[0].narrow(0, b, 1));
-    const float* xp = qkv.data_ptr<float>();
-    at::Tensor window = windows[b];
-    const at::Tensor old = floats(window);
-    const float* wp = old.data_ptr<float>();
-    const float* tp = taps.data_ptr<float>();
-    at::Tensor mixed = at::empty({1, channels, 1}, h.options().dtype(at::kFloat));
-    at::Tensor next = at::empty({1, channels, w - 1}, h.options().dtype(at::kFloat));
-    {
-      RECORD_FUNCTION("edge0::causal_conv", std::vector<c10::IValue>());
-      float* mp = mixed.data_ptr<float>();
-      float* np = next.data_ptr<float>();
-      for (int64_t c = 0; c < channels; ++c) {
-        const float* prev = wp + c * (w - 1);
-        auto at_tap = [&](int64_t i) { return i < w - 1 ? prev[i] : xp[c]; };
-        float acc = edge0::round_to(0.0f + edge0::round_to(tp[c * w] * at_tap(0), bf16), bf16);
-        for (int64_t i = 1; i < w; ++i)
-          acc = edge0::round_to(acc + edge0::round_to(tp[c * w + i] * at_tap(i), bf16), bf16);
-        mp[c] = acc;
-        for (int64_t i = 0; i < w - 1; ++i) np[c * (w - 1) + i] = at_tap(i + 1);
-      }
-    }
-    window.copy_(next);
-    const at::Tensor y = floats(at::silu(bf16 ? mixed.to(dtype) : mixed));  // [q|k|v]
+    const at::Tensor y = linear::conv(qkv.data_ptr<float>(), windows[b], taps, channels, dtype);
     const at::Tensor beta = floats(at::sigmoid(ps[2].narrow(0, b, 1)));
     const at::Tensor g = neg_a * at::softplus(ps[3].narrow(0, b, 1).to(at::kFloat) + dt_bias);
     const at::Tensor decay = floats(at::exp(g));
     at::Tensor out = at::empty({hv, dv}, h.options().dtype(at::kFloat));
-    const float* yq = y.data_ptr<float>();
-    const float* bp = beta.data_ptr<float>();
-    const float* dp = decay.data_ptr<float>();
-    float* sp = states[b].data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    // every column in ATen's cascaded vectors (outer_sum): the passes can be fused
-    const bool fused = dv % (4 * lanes) == 0;
-    {
-      RECORD_FUNCTION("edge0::delta_rule", std::vector<c10::IValue>());
-      at::parallel_for(0, hv, 1, [&](int64_t lo, int64_t hi) {
-        std::vector<float> q(dk), k(dk), u(dv), ks(dv), levels(edge0::sums::kLevels * dv);
-        for (int64_t head = lo; head < hi; ++head) {
-          const int64_t key = head / rep;  // repeat_interleave: `rep` value heads a key head
-          const float* q0 = yq + key * dk;
-          const float* k0 = yq + kd + key * dk;
-          const float* v0 = yq + 2 * kd + head * dv;
-          // delta_rule.py l2norm: x * rsqrt(sum(x * x) + 1e-6), q then times Dk^-0.5
-          const float qs = edge0::inner_sum(dk, lanes, [&](int64_t i) { return q0[i] * q0[i]; });
-          const float ksum =
-              edge0::inner_sum(dk, lanes, [&](int64_t i) { return k0[i] * k0[i]; });
-          const float qinv = 1.0f / std::sqrt(qs + 1e-6f);
-          const float kinv = 1.0f / std::sqrt(ksum + 1e-6f);
-          for (int64_t i = 0; i < dk; ++i) {
-            q[i] = (q0[i] * qinv) * step_scale;
-            k[i] = k0[i] * kinv;
-          }
-          float* s = sp + head * dk * dv;
-          float* o = op + head * dv;
-          const float e = dp[head], bh = bp[head];
-          if (fused) {
-            delta_head(q.data(), k.data(), v0, s, o, e, bh, dk, dv, u.data(), levels.data());
-            continue;
-          }
-          // the module's passes one by one (columns that do not fill ATen's vectors)
-          for (int64_t i = 0; i < dk * dv; ++i) s[i] = s[i] * e;
-          edge0::outer_sum(
-              dk, dv, lanes, [&](int64_t i, int64_t c) { return k[i] * s[i * dv + c]; },
-              ks.data());
-          for (int64_t c = 0; c < dv; ++c) u[c] = bh * (v0[c] - ks[c]);
-          for (int64_t i = 0; i < dk; ++i) {
-            float* row = s + i * dv;
-            const float ki = k[i];
-#pragma GCC ivdep
-            for (int64_t c = 0; c < dv; ++c) row[c] = row[c] + ki * u[c];
-          }
-          edge0::outer_sum(
-              dk, dv, lanes, [&](int64_t i, int64_t c) { return q[i] * s[i * dv + c]; }, o);
-        }
-      });
-    }
-    // the output in h's dtype, then GatedRMSNorm in fp32: w * (x * rsqrt(mean(x^2) + eps))
-    // * silu(z), rounded to h's dtype
+    linear::rule(y.data_ptr<float>(), hk, hv, dk, dv, decay.data_ptr<float>(), 0,
+                 beta.data_ptr<float>(), states[b].data_ptr<float>(), out.data_ptr<float>(),
+                 lanes);
     const at::Tensor gate = floats(at::silu(ps[1].narrow(0, b, 1).to(at::kFloat)));
-    const float* zp = gate.data_ptr<float>();
-    const float* nw = normw.data_ptr<float>();
-    const float eps = static_cast<float>(norm_eps);
-    for (int64_t head = 0; head < hv; ++head) {
-      float* o = op + head * dv;
-      for (int64_t c = 0; c < dv; ++c) o[c] = edge0::round_to(o[c], bf16);
-      const float sum = edge0::inner_sum(dv, lanes, [&](int64_t c) { return o[c] * o[c]; });
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dv) + eps);
-      for (int64_t c = 0; c < dv; ++c)
-        o[c] = edge0::round_to((nw[c] * (o[c] * inv)) * zp[head * dv + c], bf16);
-    }
-    normed[b] = (bf16 ? out.to(dtype) : out).view({1, 1, vd});
+    normed[b] = linear::norm(out, gate, normw, norm_eps, lanes, dtype);
   }
   const at::Tensor all = rows == 1 ? normed[0] : at::cat(normed);
   return project(all, {out_proj}, lora_scale.slice(4), layout, isa)[0];
+}
+
+// edge0::kda_rows: models/bailing_hybrid.py KimiDeltaAttention.forward (Ling's linear
+// attention, the reference 8B tier's) as delta_rows computes Gated DeltaNet: q, k and v
+// projected and convolved apart from each other's taps (their channels side by side), one
+// head per key and value head, a decay per key channel
+//   g = lower_bound * sigmoid(exp(A_log) * f)   (safe_gate)  or  -exp(A_log) * softplus(f),
+//   f = f_proj(h) + dt_bias,
+// and a sigmoid-gated output norm (g_proj) before the output projection (`dense`).
+at::Tensor kda_rows(const at::Tensor& h, at::TensorList q_proj, at::TensorList k_proj,
+                    at::TensorList v_proj, at::TensorList f_proj, at::TensorList b_proj,
+                    at::TensorList g_proj, at::TensorList out_proj,
+                    at::ArrayRef<double> lora_scale, const at::Tensor& conv,
+                    const at::Tensor& dt_bias, const at::Tensor& a_log, const at::Tensor& norm,
+                    double norm_eps, bool safe_gate, double lower_bound, at::TensorList windows,
+                    at::TensorList states, int64_t heads, int64_t head_dim, int64_t lanes,
+                    at::IntArrayRef layout, int64_t isa) {
+  linear::check_rows(h, lanes);
+  const auto dtype = h.scalar_type();
+  const int64_t rows = h.size(0), dh = head_dim, c = heads * head_dim, channels = 3 * c;
+  TORCH_CHECK(lora_scale.size() == 7, "one LoRA scale per projection");
+  TORCH_CHECK(conv.dim() == 3 && conv.size(0) == channels && conv.size(1) == 1 && conv.size(2) >= 2,
+              "conv must be q's, k's and v's taps together, [3C, 1, W]");
+  linear::check_state(windows, states, rows, dtype, channels, conv.size(2), heads * dh * dh);
+  TORCH_CHECK(norm.numel() == dh && dt_bias.numel() == c && a_log.numel() == heads,
+              "norm must be [Dh], dt_bias [H * Dh], A_log [H]");
+  const auto ps = project(h, {q_proj, k_proj, v_proj, f_proj, b_proj, g_proj},
+                          lora_scale.slice(0, 6), layout, isa);
+  for (int i : {0, 1, 2, 3, 5})
+    TORCH_CHECK(ps[i].size(-1) == c, "q, k, v, f and g must project to H * Dh");
+  TORCH_CHECK(ps[4].size(-1) == heads, "b must project to H");
+  const at::Tensor taps = floats(conv.to(dtype)).view({channels, -1});
+  const at::Tensor normw = floats(norm);
+  const at::Tensor rate = at::exp(a_log.to(at::kFloat)).unsqueeze(1);  // [H, 1]
+  std::vector<at::Tensor> normed(rows);
+  for (int64_t b = 0; b < rows; ++b) {
+    // torch.cat([q, k, v], -1) of the row's projections
+    const at::Tensor qkv = floats(at::cat({ps[0].narrow(0, b, 1), ps[1].narrow(0, b, 1),
+                                           ps[2].narrow(0, b, 1)}, -1));
+    const at::Tensor y = linear::conv(qkv.data_ptr<float>(), windows[b], taps, channels, dtype);
+    const at::Tensor beta = floats(at::sigmoid(ps[4].narrow(0, b, 1)));
+    const at::Tensor f =
+        (ps[3].narrow(0, b, 1).to(at::kFloat) + dt_bias.to(at::kFloat)).view({1, 1, heads, dh});
+    const at::Tensor g = safe_gate ? at::mul(at::sigmoid(rate * f), lower_bound)
+                                   : at::neg(rate) * at::softplus(f);
+    const at::Tensor decay = floats(at::exp(g));
+    at::Tensor out = at::empty({heads, dh}, h.options().dtype(at::kFloat));
+    linear::rule(y.data_ptr<float>(), heads, heads, dh, dh, decay.data_ptr<float>(), 1,
+                 beta.data_ptr<float>(), states[b].data_ptr<float>(), out.data_ptr<float>(),
+                 lanes);
+    const at::Tensor gate = floats(at::sigmoid(ps[5].narrow(0, b, 1).to(at::kFloat)));
+    normed[b] = linear::norm(out, gate, normw, norm_eps, lanes, dtype);
+  }
+  const at::Tensor all = rows == 1 ? normed[0] : at::cat(normed);
+  return project(all, {out_proj}, lora_scale.slice(6), layout, isa)[0];
 }
 
 // edge0::moe_combine: blocks.py MoEBlock's weighted sum of one token's K experts and
@@ -1172,6 +1265,12 @@ TORCH_LIBRARY(edge0, m) {
       "Tensor[] out_proj, float[] lora_scale, Tensor conv, Tensor dt_bias, Tensor A_log, "
       "Tensor norm, float norm_eps, Tensor(a!)[] windows, Tensor(b!)[] states, int key_heads, "
       "int value_heads, int key_dim, int value_dim, int lanes, int[] layout, int isa) -> Tensor");
+  m.def(
+      "kda_rows(Tensor h, Tensor[] q_proj, Tensor[] k_proj, Tensor[] v_proj, Tensor[] f_proj, "
+      "Tensor[] b_proj, Tensor[] g_proj, Tensor[] out_proj, float[] lora_scale, Tensor conv, "
+      "Tensor dt_bias, Tensor A_log, Tensor norm, float norm_eps, bool safe_gate, "
+      "float lower_bound, Tensor(a!)[] windows, Tensor(b!)[] states, int heads, int head_dim, "
+      "int lanes, int[] layout, int isa) -> Tensor");
   m.def("native_attention_from() -> int", &native_attention_from);
   m.def(
       "moe_combine(Tensor routed, Tensor weights, Tensor x, Tensor? shared, int lanes) -> "
@@ -1188,6 +1287,7 @@ TORCH_LIBRARY(edge0, m) {
 TORCH_LIBRARY_IMPL(edge0, CPU, m) {
   m.impl("attention_rows", &attention_rows);
   m.impl("delta_rows", &delta_rows);
+  m.impl("kda_rows", &kda_rows);
   m.impl("moe_combine", &moe_combine);
   m.impl("softmax_topk", &softmax_topk);
   m.impl("router_topk", &router_topk);

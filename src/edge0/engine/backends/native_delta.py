@@ -1,17 +1,18 @@
-"""A Gated DeltaNet layer at decode through the native op (Qwen3.5/3.6's linear attention).
+"""Linear-attention layers at decode through the native ops: Qwen3.5/3.6's Gated DeltaNet
+(`torch.ops.edge0.delta_rows`) and Ling's Kimi Delta Attention (`kda_rows`, decode_ops.cpp).
 
-`torch.ops.edge0.delta_rows` (decode_ops.cpp) computes models/qwen3_5_moe.py GatedDeltaNet's
-forward for one token of each of a step's sequences: the input projections, the causal conv
-over the last W inputs, the gated delta rule on its [Hv, Dk, Dv] state, the gated output norm
-and the output projection, with the module's operations in the module's order, advancing the
-conv window and the state in place. The module's ~60 ATen ops and the copies of the state
-between them become one call; the layer's norms, residuals and MoE block stay the module's.
+Each op computes its module's forward for one token of each of a step's sequences: the input
+projections, the causal conv over the last W inputs, the gated delta rule on its [H, Dk, Dv]
+state (a decay per head, or per key channel), the gated output norm and the output
+projection, with the module's operations in the module's order, advancing the conv window and
+the state in place. The module's ~60 ATen ops and the copies of the state between them become
+one call; the layer's norms and residuals stay the module's, its MoE half one row's MoeTail.
 With bf16 activations the result is the module's bit for bit (tests/test_native_delta.py);
-with int8 activations its int4 projections take the int8 kernel, as the attention layers'
-do. Served: the mixer GatedDeltaNet with projections that are Int4Linear or float nn.Linear
-(either under a LoraLinear), a SiLU output norm, one token of each row, a float cache.
-Anything else takes the layer's own forward.
-Shape legend: D hidden, Hk / Hv key / value heads, Dk / Dv their dims, W conv width.
+with int8 activations the int4 projections take the int8 kernel, as the attention layers' do.
+Served: projections that are Int4Linear or float nn.Linear (either under a LoraLinear), the
+module's own output norm (SiLU-gated for Gated DeltaNet, sigmoid-gated for KDA), one token of
+each row, a float cache. Anything else takes the layer's own forward.
+Shape legend: D hidden, H heads (Hk / Hv key / value), Dk / Dv their dims, W conv width.
 """
 
 from __future__ import annotations
@@ -25,47 +26,49 @@ from torch import nn
 
 from edge0 import native
 from edge0.engine.backends.native_layers import MoeTail, layer_ops, projection, sum_lanes
+from edge0.models.bailing_hybrid import KimiDeltaAttention
 from edge0.models.blocks import DecoderLayer
 from edge0.models.layers import GatedRMSNorm, KVCache, RowCaches
 from edge0.models.qwen3_5_moe import GatedDeltaNet
 
-PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
+class NativeLinear:
+    """A linear-attention decoder layer's stand-in at decode: its mixer through its op for one
+    token of each row, in fp32 or bf16; anything else through the layer itself. A subclass
+    names the mixer's projections and the op's other arguments."""
 
-def servable(layer) -> bool:
-    """Whether the op computes this decoder layer's mixer as its forward does."""
-    if not isinstance(layer, DecoderLayer) or type(layer.mixer) is not GatedDeltaNet:
-        return False
-    mixer = layer.mixer
-    if type(mixer.norm) is not GatedRMSNorm or mixer.norm.act is not F.silu:
-        return False
-    return all(projection(mixer._modules[p]) is not None for p in PROJECTIONS)
-
-
-class NativeDelta:
-    """A Gated DeltaNet decoder layer's stand-in at decode: its mixer through the op for one
-    token of each row, in fp32 or bf16; anything else through the layer itself."""
+    projections: tuple[str, ...]
 
     def __init__(self, layer: DecoderLayer, op: Callable, tail: MoeTail, lanes: int, int8: bool):
         self.layer, self.op, self.tail, self.lanes = layer, op, tail, lanes
-        self.mixer: GatedDeltaNet = layer.mixer
+        self.mixer = layer.mixer
         self.layout, self.isa = native.kernel_args(int8)
         self._key, self._args = None, None
+
+    @classmethod
+    def servable(cls, layer) -> bool:
+        """Whether the op computes this decoder layer's mixer as its forward does."""
+        return all(projection(layer.mixer._modules[p]) is not None for p in cls.projections)
+
+    def weights(self) -> tuple:
+        """The op's arguments between the projections' LoRA scales and the state."""
+        raise NotImplementedError
+
+    def dims(self) -> tuple:
+        """The op's head counts and sizes."""
+        raise NotImplementedError
 
     def _static(self) -> tuple[tuple, tuple] | None:
         """The op's arguments that do not change from token to token, again only when a
         projection or its adapter's switch changed; None if the op cannot take one."""
-        m = self.mixer
-        modules = [m._modules[p] for p in PROJECTIONS]
+        modules = [self.mixer._modules[p] for p in self.projections]
         key = tuple(modules) + tuple(p.__dict__.get("enabled") for p in modules)
         if key != self._key:
             self._key, self._args = key, None
             parts = [projection(p) for p in modules]
             if None not in parts:
-                head = (*[p[0] for p in parts], [p[1] for p in parts], m.conv1d.weight)
-                head += (m.dt_bias, m.A_log, m.norm.weight, m.norm.eps)
-                tail = (m.hk, m.hv, m.dk, m.dv, self.lanes, self.layout, self.isa)
-                self._args = head, tail
+                head = (*[p[0] for p in parts], [p[1] for p in parts], *self.weights())
+                self._args = head, (*self.dims(), self.lanes, self.layout, self.isa)
         return self._args
 
     def __call__(self, x: torch.Tensor, rope, fwd) -> torch.Tensor:
@@ -88,6 +91,50 @@ class NativeDelta:
         return second_half(layer, self.tail, x + y, fwd)
 
 
+class NativeDelta(NativeLinear):
+    """Qwen3.5's Gated DeltaNet layer through edge0::delta_rows."""
+
+    projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+    @classmethod
+    def servable(cls, layer) -> bool:
+        if not isinstance(layer, DecoderLayer) or type(layer.mixer) is not GatedDeltaNet:
+            return False
+        norm = layer.mixer.norm
+        return type(norm) is GatedRMSNorm and norm.act is F.silu and super().servable(layer)
+
+    def weights(self) -> tuple:
+        m = self.mixer
+        return m.conv1d.weight, m.dt_bias, m.A_log, m.norm.weight, m.norm.eps
+
+    def dims(self) -> tuple:
+        m = self.mixer
+        return m.hk, m.hv, m.dk, m.dv
+
+
+class NativeKda(NativeLinear):
+    """Ling's Kimi Delta Attention layer (the reference 8B tier's) through edge0::kda_rows."""
+
+    projections = ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj", "dense")
+
+    @classmethod
+    def servable(cls, layer) -> bool:
+        if not isinstance(layer, DecoderLayer) or type(layer.mixer) is not KimiDeltaAttention:
+            return False
+        norm = layer.mixer.o_norm
+        return type(norm) is GatedRMSNorm and norm.act is torch.sigmoid and super().servable(layer)
+
+    def weights(self) -> tuple:
+        m = self.mixer
+        # q's, k's and v's taps side by side, as the module concatenates them for its conv
+        conv = torch.cat([m.q_conv1d.weight, m.k_conv1d.weight, m.v_conv1d.weight]).detach()
+        norm = m.o_norm
+        return conv, m.dt_bias, m.A_log, norm.weight, norm.eps, m.safe_gate, m.lower_bound
+
+    def dims(self) -> tuple:
+        return self.mixer.h, self.mixer.dh
+
+
 def second_half(layer: DecoderLayer, tail: MoeTail, x: torch.Tensor, fwd) -> torch.Tensor:
     """DecoderLayer.forward after its mixer's residual: x + mlp(post_norm(x)), through the
     tail where x is one row of one token, else as the layer computes it."""
@@ -99,15 +146,16 @@ def second_half(layer: DecoderLayer, tail: MoeTail, x: torch.Tensor, fwd) -> tor
 
 
 def delta_layers(model: nn.Module, cache_dir: Path | None = None, int8: bool = False) -> dict:
-    """The stand-in for every Gated DeltaNet layer the op serves, by layer index (none where
-    the float sums' order could not be matched here: see sum_lanes). A hybrid's attention
-    layers are native_layers.py's."""
+    """The stand-in for every linear-attention layer an op serves (Gated DeltaNet, Kimi Delta
+    Attention), by layer index (none where the float sums' order could not be matched here:
+    see sum_lanes). A hybrid's attention layers are native_layers.py's."""
     lanes = sum_lanes(cache_dir)
     if lanes is None:
         return {}
-    op, ops = native.op("delta_rows", cache_dir), layer_ops(cache_dir)
-    return {
-        i: NativeDelta(layer, op, MoeTail(layer, ops, lanes), lanes, int8)
-        for i, layer in enumerate(model.backbone.layers)
-        if servable(layer)
-    }
+    ops, stand_ins = layer_ops(cache_dir), {}
+    for i, layer in enumerate(model.backbone.layers):
+        for kind, name in ((NativeDelta, "delta_rows"), (NativeKda, "kda_rows")):
+            if kind.servable(layer):
+                op = native.op(name, cache_dir)
+                stand_ins[i] = kind(layer, op, MoeTail(layer, ops, lanes), lanes, int8)
+    return stand_ins
