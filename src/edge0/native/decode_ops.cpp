@@ -356,10 +356,10 @@ std::vector<at::Tensor> attention_rows(
 }
 
 // The vector loops' functions: built for the CPU's widest vectors (x86: AVX-512, AVX2 or the
-// baseline, picked at load) with GCC's vectorizer on. Their loops run along columns that do
-// not depend on each other and contraction stays off (-ffp-contract=off), so every width
-// computes the same bits.
-#if defined(__x86_64__)
+// baseline, picked at load through glibc's ifunc; elsewhere the baseline's) with GCC's
+// vectorizer on. Their loops run along columns that do not depend on each other and
+// contraction stays off (-ffp-contract=off), so every width computes the same bits.
+#if defined(__x86_64__) && defined(__GLIBC__)
 #define EDGE0_VECTOR_LOOPS                                 \
   __attribute__((target_clones("avx512f", "avx2", "default"), \
                  optimize("tree-vectorize", "vect-cost-model=dynamic")))
