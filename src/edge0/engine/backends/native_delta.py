@@ -37,7 +37,10 @@ class NativeLinear:
     token of each row, in fp32 or bf16; anything else through the layer itself. A subclass
     names the mixer's projections and the op's other arguments."""
 
+    kind: type  # the mixer's module class
     projections: tuple[str, ...]
+    norm: str  # the mixer's GatedRMSNorm, and the activation of its gate
+    gate: Callable
 
     def __init__(self, layer: DecoderLayer, op: Callable, tail: MoeTail, lanes: int, int8: bool):
         self.layer, self.op, self.tail, self.lanes = layer, op, tail, lanes
@@ -48,6 +51,11 @@ class NativeLinear:
     @classmethod
     def servable(cls, layer) -> bool:
         """Whether the op computes this decoder layer's mixer as its forward does."""
+        if not isinstance(layer, DecoderLayer) or type(layer.mixer) is not cls.kind:
+            return False
+        norm = getattr(layer.mixer, cls.norm)
+        if type(norm) is not GatedRMSNorm or norm.act is not cls.gate:
+            return False
         return all(projection(layer.mixer._modules[p]) is not None for p in cls.projections)
 
     def weights(self) -> tuple:
@@ -94,14 +102,8 @@ class NativeLinear:
 class NativeDelta(NativeLinear):
     """Qwen3.5's Gated DeltaNet layer through edge0::delta_rows."""
 
+    kind, norm, gate = GatedDeltaNet, "norm", F.silu
     projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-
-    @classmethod
-    def servable(cls, layer) -> bool:
-        if not isinstance(layer, DecoderLayer) or type(layer.mixer) is not GatedDeltaNet:
-            return False
-        norm = layer.mixer.norm
-        return type(norm) is GatedRMSNorm and norm.act is F.silu and super().servable(layer)
 
     def weights(self) -> tuple:
         m = self.mixer
@@ -115,14 +117,8 @@ class NativeDelta(NativeLinear):
 class NativeKda(NativeLinear):
     """Ling's Kimi Delta Attention layer (the reference 8B tier's) through edge0::kda_rows."""
 
+    kind, norm, gate = KimiDeltaAttention, "o_norm", torch.sigmoid
     projections = ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj", "dense")
-
-    @classmethod
-    def servable(cls, layer) -> bool:
-        if not isinstance(layer, DecoderLayer) or type(layer.mixer) is not KimiDeltaAttention:
-            return False
-        norm = layer.mixer.o_norm
-        return type(norm) is GatedRMSNorm and norm.act is torch.sigmoid and super().servable(layer)
 
     def weights(self) -> tuple:
         m = self.mixer
